@@ -1,0 +1,138 @@
+"""Fixtures shared by every test layer: free ports, real child processes (redis-server, the CPU
+engine) started once per session and stopped at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
+        try:
+            if check():
+                return
+        except (OSError, httpx.HTTPError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+class ChildProcess:
+    """A server started as a real child process, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def redis_url(log_dir: Path, tmp_path_factory) -> Iterator[str]:
+    """A real redis-server on a free port, no persistence, for the whole session."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed (make setup installs it)")
+    port = free_port()
+    data_dir = tmp_path_factory.mktemp("redis")
+    child = ChildProcess(
+        "redis",
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(data_dir)],
+        log_dir,
+    )
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+
+    wait_until(ping, 10, "redis-server", child.proc)
+    yield f"redis://127.0.0.1:{port}/0"
+    child.stop()
+
+
+class EngineFactory:
+    """Starts `clawrl-engine` processes on demand, one per (model, extra args), reused."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.children: dict[tuple, tuple[ChildProcess, str]] = {}
+
+    def __call__(self, model: str = "smollm2-tiny", *extra: str) -> str:
+        key = (model, *extra)
+        if key not in self.children:
+            port = free_port()
+            name = f"engine-{model}-{port}"
+            child = ChildProcess(
+                name,
+                [str(VENV_BIN / "clawrl-engine"), "--host", "127.0.0.1", "--port", str(port),
+                 "--model", model, *extra],
+                self.log_dir,
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_until(
+                    lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200,
+                    180, name, child.proc,
+                )
+            except Exception:
+                print(child.log_tail())
+                child.stop()
+                raise
+            self.children[key] = (child, url)
+        return self.children[key][1]
+
+    def stop_all(self) -> None:
+        for child, _ in self.children.values():
+            child.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_factory(log_dir: Path) -> Iterator[EngineFactory]:
+    """`engine_factory(model, *args)` -> base URL of a running CPU engine (started once)."""
+    factory = EngineFactory(log_dir)
+    yield factory
+    factory.stop_all()
