@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for clawrl.v1 (see proto/)."""

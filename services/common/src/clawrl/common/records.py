@@ -1,0 +1,56 @@
+"""The wire records on the Redis Streams (`Turn`, `Sample`, protobuf clawrl.v1) and how one is
+laid out in a stream entry: `{id, type, data}` with `data` the serialised message, so a consumer
+can deduplicate on `id` without parsing and reject an unknown `type` into the dead-letter stream."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from clawrl.common.proto.records_pb2 import Sample, Turn
+
+__all__ = ["RecordError", "Sample", "Turn", "decode_entry", "encode_entry", "turn_id"]
+
+M = TypeVar("M", bound=Message)
+
+
+class RecordError(ValueError):
+    """A stream entry that is not a well-formed record of the expected type."""
+
+
+def turn_id(session_id: str, turn_index: int) -> str:
+    """The stable id of a turn (and of the sample made from it)."""
+    return f"{session_id}:{turn_index}"
+
+
+def record_id(record: Message) -> str:
+    if isinstance(record, Turn):
+        return record.turn_id
+    if isinstance(record, Sample):
+        return record.sample_id
+    raise TypeError(f"not a stream record: {type(record).__name__}")
+
+
+def encode_entry(record: Turn | Sample) -> dict[str, bytes]:
+    """Stream entry fields for one record."""
+    return {
+        "id": record_id(record).encode(),
+        "type": record.DESCRIPTOR.full_name.encode(),
+        "data": record.SerializeToString(),
+    }
+
+
+def decode_entry(fields: dict[bytes | str, bytes], record_type: type[M]) -> M:
+    """The record in a stream entry, checked to be of `record_type`."""
+    normalized = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
+    kind = normalized.get("type", b"")
+    kind = kind.decode() if isinstance(kind, bytes) else kind
+    if kind != record_type.DESCRIPTOR.full_name:
+        raise RecordError(f"expected a {record_type.DESCRIPTOR.full_name} entry, got {kind!r}")
+    record = record_type()
+    try:
+        record.ParseFromString(normalized.get("data", b""))
+    except DecodeError as exc:
+        raise RecordError(f"undecodable {kind} entry: {exc}") from exc
+    return record
