@@ -79,8 +79,19 @@ def redis_url(log_dir: Path, tmp_path_factory) -> Iterator[str]:
     data_dir = tmp_path_factory.mktemp("redis")
     child = ChildProcess(
         "redis",
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(data_dir)],
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
         log_dir,
     )
 
@@ -108,15 +119,25 @@ class EngineFactory:
             name = f"engine-{model}-{port}"
             child = ChildProcess(
                 name,
-                [str(VENV_BIN / "clawrl-engine"), "--host", "127.0.0.1", "--port", str(port),
-                 "--model", model, *extra],
+                [
+                    str(VENV_BIN / "clawrl-engine"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--model",
+                    model,
+                    *extra,
+                ],
                 self.log_dir,
             )
             url = f"http://127.0.0.1:{port}"
             try:
                 wait_until(
                     lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200,
-                    180, name, child.proc,
+                    180,
+                    name,
+                    child.proc,
                 )
             except Exception:
                 print(child.log_tail())

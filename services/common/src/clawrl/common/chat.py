@@ -91,7 +91,9 @@ class ChatRenderer:
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja errors: undefined keys, template exceptions
-            raise ChatTemplateError(f"cannot render messages with the chat template: {exc}") from exc
+            raise ChatTemplateError(
+                f"cannot render messages with the chat template: {exc}"
+            ) from exc
 
     def render_ids(
         self,

