@@ -26,8 +26,8 @@ proto: setup  ## regenerate the protobuf/gRPC code in clawrl.common.proto
 	$(PY) -m clawrl.common.protogen
 
 lint: setup
-	$(VENV)/bin/ruff check services tests scripts
-	$(VENV)/bin/ruff format --check services tests scripts
+	$(VENV)/bin/ruff check services tests deploy
+	$(VENV)/bin/ruff format --check services tests deploy
 	for f in services/*/Dockerfile; do $(VENV)/bin/hadolint $$f; done
 
 bench: setup  ## benchmarks print figures; they assert nothing
