@@ -1,0 +1,1 @@
+"""The CPU engine: a transformers model behind an iteration-level batching scheduler."""

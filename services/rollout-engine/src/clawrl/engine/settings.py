@@ -1,0 +1,99 @@
+"""The rollout engine's settings: which model, how the CPU engine serves it, and how the SGLang
+launcher turns the same settings into `sglang.launch_server` flags on GPU pods."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from clawrl.common.settings import ClawrlSettings, ModelSettings
+
+
+class ServingSettings(BaseModel):
+    """The HTTP server and the CPU engine's scheduler (section `[engine]`)."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30010, gt=0, lt=65536, description="Port the HTTP server listens on.")
+    backend: Literal["cpu", "sglang"] = Field(
+        "cpu",
+        description="`cpu`: clawrl's PyTorch engine in this process; `sglang`: exec SGLang's "
+        "launcher with the `[sglang]` settings (GPU pods).",
+    )
+    weight_version: str = Field(
+        "default",
+        description="Version reported in meta_info and /get_model_info until the first "
+        "/update_weights_from_disk names another (SGLang's default is `default`).",
+    )
+    max_running_requests: int = Field(
+        16, gt=0, description="Most sequences decoded together in one batch."
+    )
+    max_queued_requests: int = Field(
+        256, ge=0, description="Most requests waiting for a batch slot; beyond it, 503."
+    )
+    max_prefill_tokens: int = Field(
+        8192,
+        gt=0,
+        description="Most (padded) tokens prefilled in one forward pass; more waiting prompts "
+        "are prefilled in later passes. A single longer prompt is still prefilled alone.",
+    )
+    max_total_tokens: int = Field(
+        65536,
+        gt=0,
+        description="KV-cache budget in tokens (prompt + max_new_tokens of running requests); "
+        "a request waits while admitting it would exceed it. Also the denominator of "
+        "sglang:token_usage.",
+    )
+    default_max_new_tokens: int = Field(
+        128, gt=0, description="max_new_tokens of a /generate request that gives none (SGLang: 128)."
+    )
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads; defaults to the CPU count."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Weights and activations dtype of the CPU engine."
+    )
+    random_seed: int = Field(0, description="Seed of the sampler for requests that give none.")
+    health_generate_timeout_s: float = Field(
+        30.0, gt=0, description="Time /health_generate waits for its 1-token generation."
+    )
+
+
+class SGLangSettings(BaseModel):
+    """Flags for `python -m sglang.launch_server` (section `[sglang]`; backend `sglang` only)."""
+
+    python: str = Field("python3", description="Interpreter that runs sglang.launch_server.")
+    tp_size: int = Field(1, gt=0, description="Tensor-parallel size (GPUs per engine).")
+    dp_size: int = Field(1, gt=0, description="Data-parallel replicas inside one engine.")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, le=1, description="GPU memory fraction for weights + KV cache (None: SGLang's)."
+    )
+    context_length: int | None = Field(
+        None, gt=0, description="Context length override (None: model.context_length or config)."
+    )
+    max_running_requests: int | None = Field(
+        None, gt=0, description="SGLang's cap on concurrently running requests (None: SGLang's)."
+    )
+    dtype: str = Field("auto", description="Weights dtype (`auto`, `bfloat16`, `float16`, ...).")
+    enable_metrics: bool = Field(True, description="Expose Prometheus metrics at /metrics.")
+    tool_call_parser: str | None = Field(
+        None, description="SGLang tool-call parser (`qwen25`, `llama3`, `hermes`, ...)."
+    )
+    reasoning_parser: str | None = Field(
+        None, description="SGLang reasoning parser (`qwen3`, `deepseek-r1`, ...)."
+    )
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the repo.")
+    random_seed: int | None = Field(None, description="SGLang's --random-seed.")
+    log_level: str = Field("info", description="SGLang's --log-level.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More flags appended verbatim, e.g. ['--attention-backend', 'fa3'].",
+    )
+
+
+class EngineSettings(ClawrlSettings):
+    """Everything `clawrl-engine` needs, built once at start and passed down."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: ServingSettings = Field(default_factory=ServingSettings)
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
