@@ -5,7 +5,7 @@ API for the policy (and a second one for the judge), and the gateway in front. S
 issues not built yet are simply not started. Ctrl-C stops everything; if any process dies, the
 rest are stopped and the exit code says so.
 
-Ports (override with the environment variables of each service):
+Default ports (each has a flag, see --help):
   gateway   http://localhost:30000/v1  (GatewayControl gRPC on 30001)
   policy    http://localhost:30010     (SGLang API)
   judge     http://localhost:30011     (SGLang API)
@@ -14,6 +14,7 @@ Ports (override with the environment variables of each service):
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -25,14 +26,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_DIR = REPO / "run"
 BIN = Path(sys.executable).parent
-
-REDIS_PORT = 6390
-POLICY_PORT, JUDGE_PORT = 30010, 30011
-GATEWAY_PORT, GATEWAY_GRPC_PORT = 30000, 30001
-POLICY_MODEL = os.environ.get("CLAWRL_LOCAL_POLICY_MODEL", "SmolLM2-135M-Instruct")
-JUDGE_MODEL = os.environ.get("CLAWRL_LOCAL_JUDGE_MODEL", "SmolLM2-135M-Instruct")
 
 
 def port_open(port: int) -> bool:
@@ -50,12 +44,13 @@ def http_ok(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str], ready, timeout_s: float = 180) -> None:
         print(f"==> starting {name}: {' '.join(argv)}", flush=True)
-        env = {**os.environ, "CLAWRL_REDIS__URL": f"redis://localhost:{REDIS_PORT}/0"}
+        env = {**os.environ, "CLAWRL_REDIS__URL": self.redis_url}
         proc = subprocess.Popen(argv, env=env)
         self.procs.append((name, proc))
         deadline = time.monotonic() + timeout_s
@@ -99,15 +94,32 @@ def engine_argv(model: str, port: int) -> list[str]:
     ]
 
 
-def main() -> int:
-    for port in (REDIS_PORT, POLICY_PORT, JUDGE_PORT, GATEWAY_PORT, GATEWAY_GRPC_PORT):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run the clawrl stack locally on CPU.")
+    parser.add_argument("--policy-model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--judge-model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--gateway-port", type=int, default=30000)
+    parser.add_argument("--grpc-port", type=int, default=30001)
+    parser.add_argument("--policy-port", type=int, default=30010)
+    parser.add_argument("--judge-port", type=int, default=30011)
+    parser.add_argument("--redis-port", type=int, default=6390)
+    parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, etc.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ports = (args.redis_port, args.policy_port, args.judge_port, args.gateway_port, args.grpc_port)
+    for port in ports:
         if port_open(port):
             print(
                 f"port {port} is already in use: is another clawrl stack running?", file=sys.stderr
             )
             return 1
-    (RUN_DIR / "redis").mkdir(parents=True, exist_ok=True)
-    stack = Stack()
+    (args.run_dir / "redis").mkdir(parents=True, exist_ok=True)
+    redis_url = f"redis://localhost:{args.redis_port}/0"
+    stack = Stack(redis_url)
+    # SIGTERM (from a supervisor or a test) stops the stack like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         stack.start(
@@ -115,27 +127,27 @@ def main() -> int:
             [
                 shutil.which("redis-server") or "redis-server",
                 "--port",
-                str(REDIS_PORT),
+                str(args.redis_port),
                 "--bind",
                 "127.0.0.1",
                 "--dir",
-                str(RUN_DIR / "redis"),
+                str(args.run_dir / "redis"),
                 "--appendonly",
                 "yes",
                 "--save",
                 "",
             ],
-            lambda: port_open(REDIS_PORT),
+            lambda: port_open(args.redis_port),
         )
         stack.start(
             "policy engine",
-            engine_argv(POLICY_MODEL, POLICY_PORT),
-            lambda: http_ok(f"http://127.0.0.1:{POLICY_PORT}/health"),
+            engine_argv(args.policy_model, args.policy_port),
+            lambda: http_ok(f"http://127.0.0.1:{args.policy_port}/health"),
         )
         stack.start(
             "judge engine",
-            engine_argv(JUDGE_MODEL, JUDGE_PORT),
-            lambda: http_ok(f"http://127.0.0.1:{JUDGE_PORT}/health"),
+            engine_argv(args.judge_model, args.judge_port),
+            lambda: http_ok(f"http://127.0.0.1:{args.judge_port}/health"),
         )
         stack.start(
             "gateway",
@@ -144,26 +156,26 @@ def main() -> int:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(GATEWAY_PORT),
+                str(args.gateway_port),
                 "--grpc-port",
-                str(GATEWAY_GRPC_PORT),
+                str(args.grpc_port),
                 "--model",
-                POLICY_MODEL,
+                args.policy_model,
                 "--engine-url",
-                f"http://127.0.0.1:{POLICY_PORT}",
+                f"http://127.0.0.1:{args.policy_port}",
                 "--redis-url",
-                f"redis://localhost:{REDIS_PORT}/0",
+                redis_url,
             ],
-            lambda: http_ok(f"http://127.0.0.1:{GATEWAY_PORT}/readyz"),
+            lambda: http_ok(f"http://127.0.0.1:{args.gateway_port}/readyz"),
         )
+        gateway = f"http://localhost:{args.gateway_port}"
         print(
-            f"\nclawrl is running. Point an OpenAI client at http://localhost:{GATEWAY_PORT}/v1"
-            f" (any API key), e.g.\n"
-            f"  curl -s localhost:{GATEWAY_PORT}/v1/chat/completions -H 'X-Session-Id: demo' "
-            f'-d \'{{"model": "{POLICY_MODEL}", "messages": '
-            f'[{{"role": "user", "content": "Hello!"}}]}}\'\n'
-            f"Finished turns land on clawrl:turns (redis-cli -p {REDIS_PORT} XLEN clawrl:turns)."
-            f"\nCtrl-C stops everything.\n",
+            f"\nclawrl is running. Point an OpenAI client at {gateway}/v1 (any API key), e.g.\n"
+            f"  curl -s {gateway}/v1/chat/completions -H 'X-Session-Id: demo' "
+            f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
+            f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
+            f"Finished turns land on clawrl:turns "
+            f"(redis-cli -p {args.redis_port} XLEN clawrl:turns).\nCtrl-C stops everything.\n",
             flush=True,
         )
         return stack.wait()
