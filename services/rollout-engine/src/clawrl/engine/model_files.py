@@ -57,7 +57,9 @@ def prepare_smollm2(out_dir: Path) -> Path:
 
     source = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=GGUF_FILE, dtype=torch.float32
+    )
     # A model loaded from GGUF refuses save_pretrained: rebuild it from a clean config.
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -109,7 +111,9 @@ def prepare(name: str, cache_dir: Path, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Prepare clawrl's CPU models in the cache.")
-    parser.add_argument("names", nargs="*", help=f"models to prepare ({', '.join(PREPARED_MODELS)})")
+    parser.add_argument(
+        "names", nargs="*", help=f"models to prepare ({', '.join(PREPARED_MODELS)})"
+    )
     parser.add_argument("--all", action="store_true", help="prepare every known model")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--force", action="store_true", help="rebuild even if present")

@@ -45,7 +45,9 @@ class ServingSettings(BaseModel):
         "sglang:token_usage.",
     )
     default_max_new_tokens: int = Field(
-        128, gt=0, description="max_new_tokens of a /generate request that gives none (SGLang: 128)."
+        128,
+        gt=0,
+        description="max_new_tokens of a /generate request that gives none (SGLang: 128).",
     )
     torch_threads: int | None = Field(
         None, gt=0, description="torch intra-op threads; defaults to the CPU count."

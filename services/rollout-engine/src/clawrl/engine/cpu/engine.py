@@ -1,0 +1,216 @@
+"""The CPU engine as the asyncio side sees it: load the model, submit generations and stream
+their state, swap weights, pause and resume. Torch work happens on the scheduler's thread or
+in worker threads, never on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from clawrl.common.models import context_length, resolve_model_dir
+from clawrl.common.settings import ModelSettings
+from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, read_checkpoint
+from clawrl.engine.cpu.scheduler import Scheduler, Sequence
+from clawrl.engine.generation import GenerationRequest, GenerationState, GenerationUpdate
+from clawrl.engine.metrics import EngineMetrics
+from clawrl.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """Reply of /update_weights_from_disk."""
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class CpuEngine:
+    """One model served with iteration-level batching. Build with `await CpuEngine.load(...)`."""
+
+    def __init__(self, settings: EngineSettings, metrics: EngineMetrics):
+        self.settings = settings
+        self.metrics = metrics
+        self.model_dir = resolve_model_dir(settings.model)
+        self.context_length = context_length(settings.model, self.model_dir)
+        self.weight_version = settings.engine.weight_version
+        self._update_lock = asyncio.Lock()
+        self.tokenizer = None
+        self.runner: ModelRunner | None = None
+        self.scheduler: Scheduler | None = None
+
+    @classmethod
+    async def load(cls, settings: EngineSettings, metrics: EngineMetrics) -> CpuEngine:
+        engine = cls(settings, metrics)
+        await asyncio.to_thread(engine._load)
+        assert engine.scheduler is not None
+        engine.scheduler.start()
+        return engine
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.runner = ModelRunner(self.model_dir, self.settings.engine.dtype)
+        self.scheduler = Scheduler(self.runner, self.settings.engine, self.metrics, self.decode)
+        log.info(
+            "loaded %s (vocab %d, context %d)",
+            self.model_dir,
+            self.runner.vocab_size,
+            self.context_length,
+        )
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+
+    # ----- model facts ---------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.runner is not None
+        return self.runner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's eos and the generation config's (SGLang stops on both)."""
+        assert self.runner is not None and self.tokenizer is not None
+        ids: set[int] = set()
+        for source in (
+            self.tokenizer.eos_token_id,
+            self.runner.model.generation_config.eos_token_id,
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def paused(self) -> bool:
+        return self.scheduler is not None and self.scheduler.paused
+
+    # ----- generation ----------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationState]:
+        """Queue `request` now (raising QueueFullError when the queue is full) and return an
+        iterator of its state after each batch of updates, ending with the finished state.
+        Closing the iterator early (client gone) aborts the request in the scheduler."""
+        assert self.scheduler is not None
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[GenerationUpdate] = asyncio.Queue()
+
+        def emit(update: GenerationUpdate) -> None:
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
+
+        seq = self.scheduler.submit(request, emit)
+        return self._follow(seq, updates, GenerationState(request))
+
+    @staticmethod
+    async def _follow(
+        seq: Sequence, updates: asyncio.Queue[GenerationUpdate], state: GenerationState
+    ) -> AsyncIterator[GenerationState]:
+        try:
+            while not state.finished:
+                state.apply(await updates.get())
+                while not updates.empty():  # coalesce: the yielded fields are cumulative
+                    state.apply(updates.get_nowait())
+                yield state
+        finally:
+            if not state.finished:
+                seq.abort("client_gone")
+
+    async def generate_once(self, request: GenerationRequest) -> GenerationState:
+        """Run a request to its end and return the finished state."""
+        last = None
+        async with contextlib.aclosing(self.generate(request)) as states:
+            async for state in states:
+                last = state
+        assert last is not None
+        return last
+
+    # ----- weights and control -------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, load_format: str | None = None
+    ) -> UpdateResult:
+        """Read and check the checkpoint in a worker thread, then swap it in on the model
+        thread between two decode steps. Any failure leaves the old weights serving."""
+        assert self.runner is not None and self.scheduler is not None
+        if load_format not in LOAD_FORMATS:
+            return self._update_failed(
+                f"load_format {load_format!r} is not supported (safetensors)"
+            )
+        async with self._update_lock:
+            try:
+                path = self._checkpoint_path(model_path)
+                tensors = await asyncio.to_thread(read_checkpoint, path)
+                await asyncio.to_thread(self.runner.check_checkpoint, tensors)
+            except CheckpointError as exc:
+                return self._update_failed(f"cannot load weights from {model_path}: {exc}")
+            runner, scheduler = self.runner, self.scheduler
+
+            def swap() -> int:
+                runner.load_weights(tensors)
+                return scheduler.num_running
+
+            num_paused = await asyncio.wrap_future(scheduler.call(swap))
+            if weight_version is not None:
+                self.weight_version = weight_version
+        self.metrics.weight_updates.labels(result="success").inc()
+        log.info("weights updated from %s (weight_version=%s)", path, self.weight_version)
+        return UpdateResult(
+            True, f"Succeeded to update model weights from {path}.", num_paused_requests=num_paused
+        )
+
+    def _checkpoint_path(self, model_path: str) -> Path:
+        """A directory or file as given, else a model prepared in the cache by name."""
+        path = Path(model_path).expanduser()
+        if path.exists():
+            return path
+        try:
+            return resolve_model_dir(
+                ModelSettings(path=model_path, cache_dir=self.settings.model.cache_dir)
+            )
+        except Exception as exc:
+            raise CheckpointError(f"no checkpoint at {model_path}") from exc
+
+    def _update_failed(self, message: str) -> UpdateResult:
+        self.metrics.weight_updates.labels(result="failure").inc()
+        log.warning("weight update failed: %s", message)
+        return UpdateResult(False, message)
+
+    async def pause(self, mode: str) -> None:
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        await asyncio.wrap_future(scheduler.call(lambda: scheduler.pause(mode)))
+
+    async def resume(self) -> None:
+        assert self.scheduler is not None
+        await asyncio.wrap_future(self.scheduler.call(self.scheduler.resume))
+
+    async def abort_all(self) -> None:
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        await asyncio.wrap_future(
+            scheduler.call(lambda: scheduler.abort_all("aborted for a weight update", "pause"))
+        )
+
+    async def flush_cache(self) -> bool:
+        """No prefix cache is kept across requests, so there is nothing to flush."""
+        return True

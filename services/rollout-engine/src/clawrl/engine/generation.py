@@ -1,0 +1,89 @@
+"""What one generation is, between the HTTP layer and the scheduler thread: the validated
+request, the updates the scheduler sends after each step, and the state they add up to."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from clawrl.engine.cpu.sampling import SamplingRow
+from clawrl.engine.cpu.stops import FinishReason, StopCriteria
+
+TopLogprobs = list[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated /generate (or chat) request, in token ids.
+
+    logprob_start_len: first prompt position whose log-prob is returned; -1 returns none
+    (SGLang's default: output log-probs only).
+    """
+
+    input_ids: list[int]
+    sampling: SamplingRow
+    stop: StopCriteria
+    seed: int | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.stop.max_new_tokens
+
+
+@dataclass(frozen=True)
+class GenerationUpdate:
+    """One step's news for one sequence, sent from the scheduler thread.
+
+    new_logprobs/new_top are empty unless the request asked for log-probs; input_* come once,
+    with the first update; stop_text is the output text cut before a matched stop string.
+    """
+
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top: list[TopLogprobs] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top: list[TopLogprobs | None] | None = None
+    finish: FinishReason | None = None
+    stop_text: str | None = None
+
+
+@dataclass
+class GenerationState:
+    """Everything known about one request so far (lives on the asyncio side)."""
+
+    request: GenerationRequest
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[TopLogprobs | None] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stop_text: str | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def apply(self, update: GenerationUpdate) -> None:
+        if update.new_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.output_ids.extend(update.new_ids)
+        self.output_logprobs.extend(update.new_logprobs)
+        self.output_top.extend(update.new_top)
+        if update.input_logprobs is not None:
+            self.input_logprobs = update.input_logprobs
+            self.input_top = update.input_top or []
+        if update.finish is not None:
+            self.finish = update.finish
+            self.stop_text = update.stop_text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None

@@ -1,0 +1,67 @@
+"""`clawrl-engine --backend sglang`: the same settings turned into SGLang's launcher command.
+
+Flag names are SGLang's `ServerArgs` fields (python/sglang/srt/server_args.py, `tp_size` ->
+`--tp-size`). `build_argv` is pure so it can be checked without SGLang installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from clawrl.common.models import ModelNotFoundError, resolve_model_dir, served_model_name
+from clawrl.engine.settings import EngineSettings
+
+
+def model_path(settings: EngineSettings) -> str:
+    """A prepared/local model directory when there is one, else the name as given (SGLang
+    resolves Hugging Face ids and mounted paths itself)."""
+    try:
+        return str(resolve_model_dir(settings.model))
+    except ModelNotFoundError:
+        return settings.model.path
+
+
+def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...` for these settings."""
+    sg, serving = settings.sglang, settings.engine
+    model = model or model_path(settings)
+    argv = [
+        sg.python, "-m", "sglang.launch_server",
+        "--model-path", model,
+        "--host", serving.host,
+        "--port", str(serving.port),
+        "--tp-size", str(sg.tp_size),
+        "--dtype", sg.dtype,
+        "--served-model-name", served_model_name(settings.model),
+        "--weight-version", serving.weight_version,
+        "--log-level", sg.log_level,
+    ]  # fmt: skip
+    if sg.dp_size > 1:
+        argv += ["--dp-size", str(sg.dp_size)]
+    context_length = sg.context_length or settings.model.context_length
+    if context_length:
+        argv += ["--context-length", str(context_length)]
+    if sg.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    if sg.max_running_requests is not None:
+        argv += ["--max-running-requests", str(sg.max_running_requests)]
+    if settings.model.chat_template is not None:
+        argv += ["--chat-template", str(Path(settings.model.chat_template))]
+    if sg.tool_call_parser:
+        argv += ["--tool-call-parser", sg.tool_call_parser]
+    if sg.reasoning_parser:
+        argv += ["--reasoning-parser", sg.reasoning_parser]
+    if sg.random_seed is not None:
+        argv += ["--random-seed", str(sg.random_seed)]
+    if sg.enable_metrics:
+        argv.append("--enable-metrics")
+    if sg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv + list(sg.extra_args)
+
+
+def exec_sglang(settings: EngineSettings) -> None:
+    """Replace this process with SGLang's server (signals then reach SGLang directly)."""
+    argv = build_argv(settings)
+    os.execvp(argv[0], argv)

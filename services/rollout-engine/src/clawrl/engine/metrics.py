@@ -1,0 +1,124 @@
+"""The engine's Prometheus metrics, on a registry built at start (no process-wide registry).
+
+The serving metrics carry SGLang's names and its `model_name` label, so dashboards and alerts
+written for SGLang pods read the CPU engine unchanged. Failures the CPU engine adds are named
+`clawrl_engine_*`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from clawrl.common.metrics import LATENCY_BUCKETS_S
+
+# Inter-token latencies on CPU: from a few ms (tiny model) to seconds (long batched prefill).
+ITL_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128)
+
+
+class EngineMetrics:
+    """Every metric the engine exports, already bound to its model_name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def bound(metric):
+            return metric.labels(model_name=model_name)
+
+        self.num_running_reqs = bound(
+            Gauge("sglang:num_running_reqs", "Running requests.", labels, registry=r)
+        )
+        self.num_queue_reqs = bound(
+            Gauge("sglang:num_queue_reqs", "Requests waiting for a batch slot.", labels, registry=r)
+        )
+        self.num_used_tokens = bound(
+            Gauge("sglang:num_used_tokens", "Tokens held in the KV cache.", labels, registry=r)
+        )
+        self.token_usage = bound(
+            Gauge("sglang:token_usage", "KV-cache usage (0..1).", labels, registry=r)
+        )
+        self.gen_throughput = bound(
+            Gauge("sglang:gen_throughput", "Generation throughput (token/s).", labels, registry=r)
+        )
+        self.cache_hit_rate = bound(
+            Gauge(
+                "sglang:cache_hit_rate", "Prefix-cache hit rate (no cache: 0).", labels, registry=r
+            )
+        )
+        self.prompt_tokens = bound(
+            Counter("sglang:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r)
+        )
+        self.generation_tokens = bound(
+            Counter("sglang:generation_tokens", "Generated tokens.", labels, registry=r)
+        )
+        self.num_requests = bound(
+            Counter("sglang:num_requests", "Finished requests.", labels, registry=r)
+        )
+        self.time_to_first_token = bound(
+            Histogram(
+                "sglang:time_to_first_token_seconds",
+                "Time to first token.",
+                labels,
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
+        )
+        self.e2e_request_latency = bound(
+            Histogram(
+                "sglang:e2e_request_latency_seconds",
+                "End-to-end request latency.",
+                labels,
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
+        )
+        self.inter_token_latency = bound(
+            Histogram(
+                "sglang:inter_token_latency_seconds",
+                "Time between consecutive tokens of one request.",
+                labels,
+                buckets=ITL_BUCKETS_S,
+                registry=r,
+            )
+        )
+        self.rejected_requests = Counter(
+            "clawrl_engine_rejected_requests",
+            "Requests refused before generation, by reason (invalid, queue_full, paused).",
+            ["reason"],
+            registry=r,
+        )
+        self.aborted_requests = Counter(
+            "clawrl_engine_aborted_requests",
+            "Requests ended early, by reason (client_gone, pause, error).",
+            ["reason"],
+            registry=r,
+        )
+        self.weight_updates = Counter(
+            "clawrl_engine_weight_updates",
+            "Weight updates from disk, by result (success, failure).",
+            ["result"],
+            registry=r,
+        )
+        self.decode_batch_size = Histogram(
+            "clawrl_engine_decode_batch_size",
+            "Sequences decoded together in one forward pass.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.max_decode_batch_size = Gauge(
+            "clawrl_engine_max_decode_batch_size",
+            "Largest decode batch since start.",
+            registry=r,
+        )
+        self.prefill_batch_size = Histogram(
+            "clawrl_engine_prefill_batch_size",
+            "Prompts prefilled together in one forward pass.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.engine_errors = Counter(
+            "clawrl_engine_forward_errors",
+            "Forward passes that raised (their requests are aborted).",
+            registry=r,
+        )

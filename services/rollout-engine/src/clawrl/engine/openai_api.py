@@ -1,0 +1,180 @@
+"""OpenAI-compatible routes of the CPU engine: /v1/models and /v1/chat/completions.
+
+Prompts are rendered with clawrl.common.chat.ChatRenderer (the same renderer the gateway uses),
+so the ids generated from are exactly the ones the gateway would send to /generate. Tool calls
+are not parsed out of the answer: the assistant text comes back as `content`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from clawrl.common.chat import ChatTemplateError
+from clawrl.engine.generation import GenerationState
+from clawrl.engine.protocol import (
+    ChatCompletionRequest,
+    RequestError,
+    chat_generation_request,
+    parse,
+)
+from clawrl.engine.responses import output_text
+
+
+def finish_reason(state: GenerationState) -> str | None:
+    """OpenAI's finish_reason from SGLang's."""
+    if state.finish is None:
+        return None
+    return {"length": "length", "stop": "stop"}.get(state.finish["type"], "abort")
+
+
+def _token_entry(decode, token_id: int, logprob: float) -> dict[str, Any]:
+    token = decode([token_id], False)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def choice_logprobs(state: GenerationState, decode, start: int) -> dict[str, Any] | None:
+    """OpenAI `logprobs.content` for output tokens [start:]."""
+    req = state.request
+    if not req.return_logprob:
+        return None
+    content = []
+    for i in range(start, len(state.output_logprobs)):
+        entry = _token_entry(decode, state.output_ids[i], state.output_logprobs[i])
+        tops = state.output_top[i] if i < len(state.output_top) else []
+        entry["top_logprobs"] = [_token_entry(decode, tid, lp) for lp, tid in tops]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(state: GenerationState) -> dict[str, int]:
+    prompt, completion = len(state.request.input_ids), len(state.output_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def build_router(app_state) -> APIRouter:
+    """Routes bound to the app's engine, renderer and served model name."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        engine = app_state.engine
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": app_state.served_name,
+                    "object": "model",
+                    "created": app_state.started,
+                    "owned_by": "clawrl",
+                    "root": app_state.served_name,
+                    "max_model_len": engine.context_length,
+                }
+            ],
+        }
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        engine = app_state.engine
+        body = parse(ChatCompletionRequest, await _json(request))
+        try:
+            prompt_ids = app_state.renderer.render_ids(body.messages, body.tools)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc)) from exc
+        gen = chat_generation_request(body, prompt_ids, app_state.limits)
+        created = int(time.time())
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = body.model or app_state.served_name
+        if not body.stream:
+            state = await engine.generate_once(gen)
+            message = {"role": "assistant", "content": output_text(state, engine.decode)}
+            return {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "logprobs": choice_logprobs(state, engine.decode, 0),
+                        "finish_reason": finish_reason(state),
+                    }
+                ],
+                "usage": usage(state),
+                "metadata": {"weight_version": engine.weight_version},
+            }
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        states = engine.generate(gen)  # queued now: a full queue is a 503, not a broken stream
+        return StreamingResponse(
+            _chat_stream(engine, states, cid, created, model, include_usage),
+            media_type="text/event-stream",
+        )
+
+    return router
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from exc
+
+
+def _chunk(cid: str, created: int, model: str, choices: list, **extra) -> str:
+    body = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _chat_stream(engine, states, cid, created, model, include_usage) -> AsyncIterator[str]:
+    async with contextlib.aclosing(states):
+        async for chunk in _chat_chunks(engine, states, cid, created, model, include_usage):
+            yield chunk
+
+
+async def _chat_chunks(engine, states, cid, created, model, include_usage) -> AsyncIterator[str]:
+    yield _chunk(cid, created, model, [{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+    sent_text, sent_tokens = "", 0
+    state = None
+    async for state in states:
+        text = output_text(state, engine.decode)
+        delta = text[len(sent_text) :] if text.startswith(sent_text) else ""
+        if delta or state.finished:
+            choice = {
+                "index": 0,
+                "delta": {"content": delta} if delta else {},
+                "logprobs": choice_logprobs(state, engine.decode, sent_tokens),
+                "finish_reason": finish_reason(state),
+            }
+            yield _chunk(cid, created, model, [choice])
+            sent_tokens = len(state.output_logprobs)
+            sent_text = text if delta else sent_text
+    if include_usage and state is not None:
+        yield _chunk(cid, created, model, [], usage=usage(state))
+    yield "data: [DONE]\n\n"
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    """OpenAI's error shape, used by every route of the engine."""
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )

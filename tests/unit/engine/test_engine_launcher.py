@@ -1,0 +1,82 @@
+"""The SGLang command built from clawrl settings (flag names are SGLang's ServerArgs)."""
+
+from clawrl.common.settings import ModelSettings
+from clawrl.engine.launcher import build_argv
+from clawrl.engine.main import load_settings, parse_args
+from clawrl.engine.settings import EngineSettings, ServingSettings, SGLangSettings
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_minimal_command():
+    settings = EngineSettings(
+        model=ModelSettings(path="Qwen/Qwen3-4B"),
+        engine=ServingSettings(host="0.0.0.0", port=30000),
+    )
+    argv = build_argv(settings)
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == "Qwen/Qwen3-4B"
+    assert flag(argv, "--host") == "0.0.0.0"
+    assert flag(argv, "--port") == "30000"
+    assert flag(argv, "--tp-size") == "1"
+    assert flag(argv, "--served-model-name") == "Qwen3-4B"
+    assert flag(argv, "--weight-version") == "default"
+    assert "--enable-metrics" in argv
+    assert "--context-length" not in argv
+    assert "--mem-fraction-static" not in argv
+    assert "--tool-call-parser" not in argv
+
+
+def test_every_setting_reaches_its_flag():
+    settings = EngineSettings(
+        model=ModelSettings(path="/models/policy", served_name="policy", context_length=4096),
+        engine=ServingSettings(port=30001, weight_version="3"),
+        sglang=SGLangSettings(
+            tp_size=2,
+            dp_size=2,
+            mem_fraction_static=0.8,
+            max_running_requests=64,
+            enable_metrics=False,
+            tool_call_parser="qwen25",
+            reasoning_parser="qwen3",
+            random_seed=1,
+            trust_remote_code=True,
+            extra_args=["--attention-backend", "fa3"],
+        ),
+    )
+    argv = build_argv(settings)
+    assert flag(argv, "--model-path") == "/models/policy"
+    assert flag(argv, "--served-model-name") == "policy"
+    assert flag(argv, "--weight-version") == "3"
+    assert flag(argv, "--tp-size") == "2"
+    assert flag(argv, "--dp-size") == "2"
+    assert flag(argv, "--context-length") == "4096"
+    assert flag(argv, "--mem-fraction-static") == "0.8"
+    assert flag(argv, "--max-running-requests") == "64"
+    assert flag(argv, "--tool-call-parser") == "qwen25"
+    assert flag(argv, "--reasoning-parser") == "qwen3"
+    assert flag(argv, "--random-seed") == "1"
+    assert "--trust-remote-code" in argv
+    assert "--enable-metrics" not in argv
+    assert argv[-2:] == ["--attention-backend", "fa3"]
+
+
+def test_a_prepared_model_name_becomes_its_directory(tmp_path):
+    (tmp_path / "mymodel").mkdir()
+    (tmp_path / "mymodel" / "config.json").write_text("{}")
+    settings = EngineSettings(model=ModelSettings(path="mymodel", cache_dir=tmp_path))
+    assert flag(build_argv(settings), "--model-path") == str(tmp_path / "mymodel")
+
+
+def test_cli_flags_override_settings(monkeypatch):
+    monkeypatch.setenv("CLAWRL_ENGINE__PORT", "1234")
+    monkeypatch.setenv("CLAWRL_ENGINE__MAX_QUEUED_REQUESTS", "7")
+    settings = load_settings(
+        parse_args(["--port", "5678", "--model", "smollm2-tiny", "--backend", "sglang"])
+    )
+    assert settings.engine.port == 5678
+    assert settings.engine.max_queued_requests == 7
+    assert settings.engine.backend == "sglang"
+    assert settings.model.path == "smollm2-tiny"
