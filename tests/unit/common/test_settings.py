@@ -56,3 +56,9 @@ def test_invalid_values_fail_at_start(config: Path) -> None:
     config.write_text("[model]\ncontext_length = -5\n")
     with pytest.raises(ValidationError, match="context_length"):
         DemoSettings()
+
+
+def test_a_misspelt_key_is_an_error(config: Path) -> None:
+    config.write_text('[model]\npth = "/models/policy"\n')
+    with pytest.raises(ValidationError, match="pth"):
+        DemoSettings()

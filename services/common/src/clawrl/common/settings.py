@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -34,7 +34,13 @@ def default_cache_dir() -> Path:
     return Path(base) / "clawrl" / "models"
 
 
-class ModelSettings(BaseModel):
+class Section(BaseModel):
+    """Base of a settings section: a misspelt key is an error at start-up, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSettings(Section):
     """Which model a service serves, tokenizes for or trains."""
 
     path: str = Field(
@@ -59,7 +65,7 @@ class ModelSettings(BaseModel):
     )
 
 
-class RedisSettings(BaseModel):
+class RedisSettings(Section):
     """The data plane: Redis Streams carrying turns and samples."""
 
     url: str = Field("redis://localhost:6390/0", description="Redis URL.")
@@ -71,7 +77,7 @@ class RedisSettings(BaseModel):
     socket_timeout_s: float = Field(2.0, gt=0, description="Timeout of one Redis call.")
 
 
-class LoggingSettings(BaseModel):
+class LoggingSettings(Section):
     """Structured logs: JSON lines in pods, readable text locally."""
 
     level: str = Field("INFO", description="Root log level.")
