@@ -1,0 +1,342 @@
+"""The HTTP layer: a FastAPI app whose lifespan builds every client (Redis, engine, tokenizer,
+the GatewayControl gRPC server, the idle sweeper) from the settings, and thin routes over the
+serving core. Every failure leaves through `errors.to_http`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from clawrl.common.chat import ChatRenderer
+from clawrl.common.metrics import exposition
+from clawrl.common.models import context_length, resolve_model_dir, served_model_name
+from clawrl.common.sglang_client import EngineError, SGLangClient
+from clawrl.gateway.control import PauseGate, start_control_server
+from clawrl.gateway.engine import EngineClient
+from clawrl.gateway.errors import (
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+    to_http,
+)
+from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.protocol import parse_chat_request
+from clawrl.gateway.recording import Recorder
+from clawrl.gateway.serving import ChatService, OpenStream
+from clawrl.gateway.sessions import SessionStore
+from clawrl.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics")
+JSON = "application/json"
+
+
+@dataclass
+class Gateway:
+    """What the lifespan built; routes reach it through `request.app.state.gateway`."""
+
+    settings: GatewaySettings
+    service: ChatService
+    engine: SGLangClient
+    redis: Redis
+    gate: PauseGate
+    metrics: GatewayMetrics
+    api_keys: tuple[bytes, ...]
+    model_name: str
+    context_length: int
+    started: int
+    control_port: int = 0
+
+
+def json_response(body: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type=JSON, headers=headers)
+
+
+def error_response(exc: BaseException, retry_after_s: int = 5) -> Response:
+    """The one way a failure becomes an HTTP response."""
+    if not isinstance(exc, GatewayError | EngineError):
+        log.error("unexpected error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    error = to_http(exc, retry_after_s)
+    return json_response(error.body, error.status, error.headers)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose stream is released however the response ends."""
+
+    def __init__(self, stream: OpenStream):
+        super().__init__(
+            stream.lines,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._release = stream.release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
+
+
+class RequestMetrics:
+    """Pure ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): requests by
+    route and status, and latency up to the end of the body (streams included)."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+
+def authorize(gateway: Gateway, request: Request) -> None:
+    if not gateway.api_keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    given = key.strip().encode()
+    if scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in gateway.api_keys):
+        return
+    raise Unauthorized(
+        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
+        if header
+        else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+    )
+
+
+async def initial_policy_version(settings: GatewaySettings, engine: SGLangClient) -> int:
+    """The configured initial version, else the engine's weight_version when it is a number
+    (a replica restarted after a weight sync then starts at the right version), else 0."""
+    if settings.control.initial_policy_version is not None:
+        return settings.control.initial_policy_version
+    try:
+        info = await asyncio.wait_for(engine.get_model_info(), 5)
+        return int(info.get("weight_version"))
+    except (EngineError, TimeoutError, TypeError, ValueError):
+        return 0
+
+
+def create_redis(settings: GatewaySettings) -> Redis:
+    # One quick retry at most: with Redis down, recording must fail fast, not stall serving.
+    return Redis.from_url(
+        settings.redis.url,
+        socket_timeout=settings.redis.socket_timeout_s,
+        socket_connect_timeout=settings.redis.socket_timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+        health_check_interval=30,
+    )
+
+
+def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) -> FastAPI:
+    """The gateway app; `renderer` may be passed in to share one tokenizer load (tests)."""
+    metrics = GatewayMetrics()  # this app's own registry
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        model_dir = resolve_model_dir(settings.model)
+        chat = renderer or await asyncio.to_thread(ChatRenderer.from_settings, settings.model)
+        engine = EngineClient(
+            settings.serving.engine_url,
+            timeout_s=settings.serving.engine_timeout_s,
+            connect_timeout_s=settings.serving.engine_connect_timeout_s,
+            max_connections=settings.serving.engine_max_connections,
+        )
+        redis = create_redis(settings)
+        gate = PauseGate(
+            metrics,
+            hold_timeout_s=settings.control.hold_timeout_s,
+            retry_after_s=settings.serving.retry_after_s,
+            policy_version=await initial_policy_version(settings, engine),
+        )
+        store = SessionStore(
+            redis,
+            prefix=settings.sessions.key_prefix,
+            stream=settings.redis.turns_stream,
+            maxlen=settings.redis.stream_maxlen,
+            ttl_s=settings.sessions.ttl_s,
+        )
+        recorder = Recorder(
+            store,
+            metrics,
+            gateway_id=settings.gateway_id,
+            anonymous_matching=settings.sessions.anonymous_matching,
+            idle_timeout_s=settings.sessions.idle_timeout_s,
+            sweep_interval_s=settings.sessions.sweep_interval_s,
+            sweep_batch=settings.sessions.sweep_batch,
+        )
+        name = served_model_name(settings.model)
+        window = context_length(settings.model, model_dir)
+        service = ChatService(
+            renderer=chat,
+            engine=engine,
+            gate=gate,
+            metrics=metrics,
+            recorder=recorder,
+            model_name=name,
+            context_length=window,
+            default_turn_type=settings.serving.default_turn_type,
+            tool_call_parser=settings.serving.tool_call_parser,
+            default_max_tokens=settings.serving.default_max_tokens,
+            offload_render_chars=settings.serving.offload_render_chars,
+            retry_after_s=settings.serving.retry_after_s,
+        )
+        token = settings.control.token.get_secret_value() if settings.control.token else None
+        control, control_port = await start_control_server(
+            gate,
+            host=settings.control.host,
+            port=settings.control.port,
+            token=token,
+            gateway_id=settings.gateway_id,
+            drain_timeout_s=settings.control.drain_timeout_s,
+        )
+        sweeper = asyncio.create_task(recorder.sweep_forever(), name="idle-sweeper")
+        app.state.gateway = Gateway(
+            settings=settings,
+            service=service,
+            engine=engine,
+            redis=redis,
+            gate=gate,
+            metrics=metrics,
+            api_keys=tuple(key.encode() for key in settings.api_keys()),
+            model_name=name,
+            context_length=window,
+            started=int(time.time()),
+            control_port=control_port,
+        )
+        log.info(
+            "gateway %s serving %s (context %d, policy v%d) from %s; control gRPC on port %d",
+            settings.gateway_id,
+            name,
+            window,
+            gate.policy_version,
+            settings.serving.engine_url,
+            control_port,
+        )
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await control.stop(grace=2)
+            await engine.aclose()
+            await redis.aclose()
+            service.close()
+
+    app = FastAPI(title="clawrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"method {request.method} not allowed here"))
+        return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        started = time.perf_counter()
+        try:
+            authorize(gateway, request)
+            chat = parse_chat_request(await request.body(), request.headers)
+            if chat.stream:
+                return SSEResponse(await gateway.service.open_stream(chat, started))
+            body, headers = await gateway.service.complete(chat)
+            return json_response(body, headers=headers)
+        except Exception as exc:
+            return error_response(exc, gateway.settings.serving.retry_after_s)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        try:
+            authorize(gateway, request)
+        except GatewayError as exc:
+            return error_response(exc)
+        return json_response({"object": "list", "data": [model_card(gateway)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        try:
+            authorize(gateway, request)
+            if model_id != gateway.model_name:
+                raise NotFound(f"The model '{model_id}' does not exist", code="model_not_found")
+        except GatewayError as exc:
+            return error_response(exc)
+        return json_response(model_card(gateway))
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        """Ready when the engine answers /health and reports its model (Redis is not needed
+        to serve, so it is reported but does not gate readiness)."""
+        gateway: Gateway = request.app.state.gateway
+        try:
+            healthy = await asyncio.wait_for(gateway.engine.health(), 5)
+            info = await asyncio.wait_for(gateway.engine.get_model_info(), 5) if healthy else {}
+        except (EngineError, TimeoutError):
+            healthy, info = False, {}
+        try:
+            redis_ok = bool(await asyncio.wait_for(gateway.redis.ping(), 2))
+        except Exception:
+            redis_ok = False
+        body = {
+            "status": "ready" if healthy and info else "not ready",
+            "engine": {"reachable": healthy, "model": info.get("model_path")},
+            "redis": redis_ok,
+            "paused": gateway.gate.paused,
+            "policy_version": gateway.gate.policy_version,
+        }
+        return json_response(body, 200 if healthy and info else 503)
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        payload, content_type = exposition(request.app.state.gateway.metrics.registry)
+        return Response(payload, media_type=content_type)
+
+    return app
+
+
+def model_card(gateway: Gateway) -> dict:
+    return {
+        "id": gateway.model_name,
+        "object": "model",
+        "created": gateway.started,
+        "owned_by": "clawrl",
+        "max_model_len": gateway.context_length,
+    }

@@ -1,0 +1,271 @@
+"""Turning served main turns into `Turn` records: the pending turn is stored when a response is
+served, and finalised (put on the turns stream) by the session's next main request, by
+X-Session-Done, or by the idle sweep. Redis trouble never fails a request: the step is counted
+and logged, and recording resumes when Redis answers again (redis-py reconnects by itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from google.protobuf.timestamp_pb2 import Timestamp
+from redis.exceptions import RedisError
+
+from clawrl.common.proto.records_pb2 import FinalizeReason
+from clawrl.common.records import Turn
+from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.sessions import SessionStore, assistant_prefixes, extend_hash, history_hashes
+
+log = logging.getLogger(__name__)
+
+# Failures worth degrading on, not crashing: Redis down or slow, a script error.
+RECORDING_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass
+class TurnContext:
+    """A main request's session as resolved when it arrived."""
+
+    session_id: str  # "" until resolved, when the client sent none
+    explicit: bool  # the client named the session
+    hashes: list[str]  # history_hashes of the request's messages
+    prefixes: list[str]  # assistant_prefixes: histories this request may continue
+    last_message: dict[str, Any]  # the next state of the session's pending turn
+    done: bool
+    ready: asyncio.Task | None = None  # the advance step, overlapping the generation
+
+
+@dataclass
+class ServedTurn:
+    """What the serving core hands over once a main turn's response is complete."""
+
+    model: str
+    policy_version: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    response_message: dict[str, Any]
+    finish_reason: str
+    created_ns: int = field(default_factory=time.time_ns)
+
+
+def _timestamp(ns: int | None = None) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(ns if ns is not None else time.time_ns())
+    return stamp
+
+
+def finalize_extra(
+    gateway_id: str,
+    reason: int,
+    next_state: dict[str, Any] | None = None,
+    history_mismatch: bool = False,
+) -> bytes:
+    """The finalisation fields, serialised; appended to a pending turn's bytes they merge in."""
+    turn = Turn(finalize_reason=reason, gateway_id=gateway_id, finalized_at=_timestamp())
+    if next_state is not None:
+        turn.next_state_json = orjson.dumps(next_state).decode()
+    if history_mismatch:
+        turn.history_mismatch = True
+    return turn.SerializeToString()
+
+
+def pending_turn(session_id: str, served: ServedTurn) -> bytes:
+    """A served turn as stored while it waits for its next state (the store adds id/index)."""
+    return Turn(
+        session_id=session_id,
+        model=served.model,
+        policy_version=served.policy_version,
+        messages_json=orjson.dumps(served.messages).decode(),
+        tools_json=orjson.dumps(served.tools).decode() if served.tools else "",
+        prompt_ids=served.prompt_ids,
+        response_ids=served.response_ids,
+        response_logprobs=served.response_logprobs,
+        response_text=served.response_text,
+        response_message_json=orjson.dumps(served.response_message).decode(),
+        finish_reason=served.finish_reason,
+        created_at=_timestamp(served.created_ns),
+    ).SerializeToString()
+
+
+class Recorder:
+    """Session bookkeeping around each main request; owns the idle sweeper."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        metrics: GatewayMetrics,
+        *,
+        gateway_id: str,
+        anonymous_matching: bool,
+        idle_timeout_s: float,
+        sweep_interval_s: float,
+        sweep_batch: int,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.gateway_id = gateway_id
+        self.anonymous_matching = anonymous_matching
+        self.idle_timeout_s = idle_timeout_s
+        self.sweep_interval_s = sweep_interval_s
+        self.sweep_batch = sweep_batch
+
+    def _failed(self, stage: str, exc: BaseException, session_id: str | None = None) -> None:
+        self.metrics.recording_failures.labels(stage).inc()
+        log.warning(
+            "recording step %s failed, serving goes on: %s: %s",
+            stage,
+            type(exc).__name__,
+            exc,
+            extra={"session_id": session_id},
+        )
+
+    def _finalized(self, reason: str, turn_id: str | None) -> None:
+        if turn_id:
+            self.metrics.turns_finalized.labels(reason).inc()
+
+    def begin(
+        self,
+        session_id: str | None,
+        messages: list[dict[str, Any]],
+        raw_last_message: dict[str, Any],
+        done: bool,
+    ) -> TurnContext:
+        """Start resolving the session of a main request (in the background, so it overlaps
+        the generation): find it by history when no id was sent, then finalise its pending
+        turn with this request's last message as the next state."""
+        hashes = history_hashes(messages)
+        context = TurnContext(
+            session_id=session_id or "",
+            explicit=session_id is not None,
+            hashes=hashes,
+            prefixes=assistant_prefixes(messages, hashes),
+            last_message=raw_last_message,
+            done=done,
+        )
+        context.ready = asyncio.create_task(self._advance(context))
+        return context
+
+    async def _advance(self, context: TurnContext) -> bool:
+        try:
+            if not context.explicit:
+                found = None
+                if self.anonymous_matching:
+                    found = await self.store.find_session(context.prefixes)
+                if found is None:
+                    # A new conversation: nothing can be pending, save the round trip.
+                    context.session_id = f"anon-{uuid.uuid4().hex}"
+                    return True
+                context.session_id = found
+            result = await self.store.advance(
+                context.session_id,
+                context.prefixes,
+                finalize_extra(
+                    self.gateway_id,
+                    FinalizeReason.FINALIZE_REASON_NEXT_STATE,
+                    context.last_message,
+                ),
+                Turn(history_mismatch=True).SerializeToString(),
+            )
+        except RECORDING_ERRORS as exc:
+            if not context.session_id:
+                context.session_id = f"anon-{uuid.uuid4().hex}"
+            self._failed("advance", exc, context.session_id)
+            return False
+        if result.finalized_turn_id:
+            self._finalized("next_state", result.finalized_turn_id)
+            if result.history_mismatch:
+                self.metrics.history_mismatches.inc()
+                log.info(
+                    "turn %s finalised with history_mismatch: the next request's history does "
+                    "not extend it",
+                    result.finalized_turn_id,
+                    extra={"session_id": context.session_id},
+                )
+        return True
+
+    async def session_of(self, context: TurnContext) -> str:
+        """The resolved session id (waits for the advance step)."""
+        if context.ready is not None:
+            await context.ready
+        return context.session_id
+
+    async def finish(self, context: TurnContext, served: ServedTurn) -> str | None:
+        """Store the served turn as the session's pending one (or publish it at once when the
+        session is done); returns its turn id, None when recording failed."""
+        if context.ready is not None and not await context.ready:
+            # The advance step failed, so a previous turn may still be pending; storing now
+            # would finalise it as superseded instead of with its next state. Redis may be
+            # back: advance once more, and record nothing if it still fails.
+            if not await self._advance(context):
+                return None
+        history_hash = extend_hash(context.hashes[-1], served.response_message)
+        done = (
+            finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
+            if context.done
+            else b""
+        )
+        superseded = finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED)
+        try:
+            stored = await self.store.store(
+                context.session_id,
+                pending_turn(context.session_id, served),
+                history_hash,
+                superseded,
+                done,
+            )
+        except RECORDING_ERRORS as exc:
+            self._failed("store", exc, context.session_id)
+            return None
+        self.metrics.turns_recorded.inc()
+        if stored.superseded_turn_id:
+            self._finalized("superseded", stored.superseded_turn_id)
+        if context.done:
+            self._finalized("done", stored.turn_id)
+        return stored.turn_id
+
+    async def close(self, session_id: str) -> str | None:
+        """X-Session-Done on a request that records nothing: finalise the pending turn."""
+        try:
+            turn_id = await self.store.finalize(
+                session_id,
+                finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE),
+            )
+        except RECORDING_ERRORS as exc:
+            self._failed("done", exc, session_id)
+            return None
+        self._finalized("done", turn_id)
+        return turn_id
+
+    async def sweep_once(self) -> int:
+        """Finalise the pending turns of sessions idle past the timeout; how many."""
+        cutoff = time.time() - self.idle_timeout_s
+        finalized = 0
+        extra = finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_IDLE_TIMEOUT)
+        for session_id in await self.store.idle_sessions(cutoff, self.sweep_batch):
+            turn_id = await self.store.finalize(session_id, extra, idle_cutoff=cutoff)
+            if turn_id:
+                finalized += 1
+                self._finalized("idle", turn_id)
+                log.info("turn %s finalised: idle", turn_id, extra={"session_id": session_id})
+        self.metrics.active_sessions.set(await self.store.active_count())
+        return finalized
+
+    async def sweep_forever(self) -> None:
+        """Every replica sweeps; the FINALIZE script makes concurrent sweeps harmless."""
+        while True:
+            # Jitter spreads the replicas' sweeps over the interval.
+            await asyncio.sleep(self.sweep_interval_s * random.uniform(0.8, 1.2))
+            try:
+                await self.sweep_once()
+            except RECORDING_ERRORS as exc:
+                self._failed("sweep", exc)

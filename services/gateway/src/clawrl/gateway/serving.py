@@ -1,0 +1,453 @@
+"""The serving core: one chat completion from validated request to OpenAI response, streamed or
+not. Renders the prompt once with the policy's tokenizer, generates from `input_ids` with
+log-probs, reads tool calls, and hands main turns to the recorder.
+
+Ordering that matters: a main turn is stored in Redis *before* the client sees the end of the
+response (the body, or `data: [DONE]`), so the client's next request always finds it pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from clawrl.common.chat import ChatRenderer
+from clawrl.common.logs import log_context
+from clawrl.common.sglang_client import SGLangClient, sampling_params
+from clawrl.gateway.control import PauseGate
+from clawrl.gateway.errors import (
+    ContextLengthExceeded,
+    EngineBadReply,
+    engine_error_kind,
+    to_http,
+)
+from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.protocol import ChatRequest
+from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext
+from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, parse_tool_calls
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    """A started stream: its SSE lines, and `release`, which frees the engine connection and
+    the pause gate's slot. The HTTP layer calls `release` when the response ends, however it
+    ends: a stream the client never read still has to leave the gate (releasing twice is
+    harmless)."""
+
+    lines: AsyncIterator[bytes]
+    release: Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Generation:
+    """What the engine sampled: kept whole, because it is what gets trained on."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_texts: list[str | None] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" once finished
+    prompt_tokens: int = 0
+
+    def update(self, reply: dict[str, Any]) -> str:
+        """Take one /generate reply or stream event; returns the text it adds. Handles both
+        SGLang stream modes: cumulative events (the default) and incremental ones."""
+        meta = reply.get("meta_info") or {}
+        ids = reply.get("output_ids")
+        entries = meta.get("output_token_logprobs")
+        if ids is None or entries is None:
+            raise EngineBadReply("the engine's reply has no output_ids or output_token_logprobs")
+        completion_tokens = meta.get("completion_tokens")
+        cumulative = completion_tokens is None or len(ids) == completion_tokens
+        logprobs = [entry[0] for entry in entries]
+        texts = [entry[2] if len(entry) > 2 else None for entry in entries]
+        text = reply.get("text") or ""
+        if cumulative:
+            added = text[len(self.text) :] if text.startswith(self.text) else ""
+            self.ids, self.logprobs, self.token_texts, self.text = ids, logprobs, texts, text
+        else:
+            added = text
+            self.ids = self.ids + ids
+            self.logprobs = self.logprobs + logprobs
+            self.token_texts = self.token_texts + texts
+            self.text += text
+        if len(self.logprobs) != len(self.ids):
+            raise EngineBadReply(
+                f"the engine returned {len(self.ids)} output ids but {len(self.logprobs)} log-probs"
+            )
+        self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
+        finish = meta.get("finish_reason")
+        if finish:
+            kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+            if kind not in ("stop", "length"):
+                raise EngineBadReply(f"the engine ended the generation with {kind!r}")
+            self.finish = kind
+        return added
+
+
+def openai_logprobs(generation: Generation, start: int = 0) -> dict[str, Any]:
+    """OpenAI `logprobs` of the sampled tokens from `start` on (no top alternatives)."""
+    content = []
+    for i in range(start, len(generation.ids)):
+        token = generation.token_texts[i] or ""
+        content.append(
+            {
+                "token": token,
+                "logprob": generation.logprobs[i],
+                "bytes": list(token.encode()),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": content}
+
+
+class ChatService:
+    """Everything between a validated request and its OpenAI response."""
+
+    def __init__(
+        self,
+        *,
+        renderer: ChatRenderer,
+        engine: SGLangClient,
+        gate: PauseGate,
+        metrics: GatewayMetrics,
+        recorder: Recorder | None,
+        model_name: str,
+        context_length: int,
+        default_turn_type: str = "main",
+        tool_call_parser: str = "hermes",
+        default_max_tokens: int | None = None,
+        offload_render_chars: int = 8192,
+        retry_after_s: int = 5,
+    ) -> None:
+        self.renderer = renderer
+        self.engine = engine
+        self.gate = gate
+        self.metrics = metrics
+        self.recorder = recorder
+        self.model_name = model_name
+        self.context_length = context_length
+        self.default_turn_type = default_turn_type
+        self.tool_call_parser = tool_call_parser
+        self.default_max_tokens = default_max_tokens
+        self.offload_render_chars = offload_render_chars
+        self.retry_after_s = retry_after_s
+        self.stop_token_ids = renderer.eos_token_ids
+        # One thread: big renders wait for each other rather than fight for the GIL.
+        self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="render")
+
+    def close(self) -> None:
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- preparing a request ------------------------------------------------------------
+
+    async def prompt_ids(self, request: ChatRequest) -> list[int]:
+        """The prompt, rendered and tokenised exactly once (in a thread when it is big)."""
+        if request.input_chars > self.offload_render_chars:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._render_pool,
+                self.renderer.render_ids,
+                request.render_messages,
+                request.tools,
+            )
+        return self.renderer.render_ids(request.render_messages, request.tools)
+
+    def max_new_tokens(self, request: ChatRequest, prompt_tokens: int) -> int:
+        """The completion budget. Only a prompt that leaves no room is refused; a max_tokens
+        beyond the window is clamped to what is left (agents often send the model's whole
+        context length as max_tokens)."""
+        room = self.context_length - prompt_tokens
+        if room <= 0:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, your messages resulted in {prompt_tokens} tokens. Please reduce the "
+                "length of the messages.",
+                param="messages",
+            )
+        wanted = request.max_tokens or self.default_max_tokens or room
+        return min(wanted, room)
+
+    def payload(self, request: ChatRequest, prompt_ids: list[int]) -> dict[str, Any]:
+        # presence/frequency penalties are accepted but not applied: they would make the
+        # sampled tokens' log-probs differ from the policy's, and the turn is trained on them.
+        return {
+            "input_ids": prompt_ids,
+            "sampling_params": sampling_params(
+                max_new_tokens=self.max_new_tokens(request, len(prompt_ids)),
+                temperature=request.temperature,
+                top_p=request.top_p,
+                stop=request.stop or None,
+                stop_token_ids=self.stop_token_ids,
+                seed=request.seed,
+            ),
+            "return_logprob": True,
+            "return_text_in_logprobs": request.logprobs,
+        }
+
+    def is_main(self, request: ChatRequest) -> bool:
+        return (request.session.turn_type or self.default_turn_type) == "main"
+
+    def _begin_turn(self, request: ChatRequest) -> TurnContext | None:
+        if self.recorder is None or not self.is_main(request):
+            return None
+        return self.recorder.begin(
+            request.session.session_id,
+            request.render_messages,
+            request.messages[-1],
+            request.session.session_done,
+        )
+
+    # --- building responses -------------------------------------------------------------
+
+    def _message(self, request: ChatRequest, generation: Generation) -> tuple[dict[str, Any], str]:
+        """The assistant message and OpenAI finish reason of a whole generation."""
+        content, calls = (
+            parse_tool_calls(generation.text, self.tool_call_parser)
+            if request.parse_tool_calls
+            else (generation.text, [])
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        finish = "tool_calls" if calls else (generation.finish or "stop")
+        return message, finish
+
+    def _usage(self, generation: Generation, prompt_tokens: int) -> dict[str, int]:
+        completion = len(generation.ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def _count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.prompt_length.observe(prompt_tokens)
+        self.metrics.completion_tokens.inc(completion_tokens)
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        kind = engine_error_kind(exc)
+        if kind is not None:
+            self.metrics.engine_errors.labels(kind).inc()
+            log.warning("engine call failed: %s", exc)
+
+    # --- recording ----------------------------------------------------------------------
+
+    async def _record(
+        self,
+        request: ChatRequest,
+        turn: TurnContext | None,
+        prompt_ids: list[int],
+        generation: Generation,
+        message: dict[str, Any],
+        finish_reason: str,
+        policy_version: int,
+    ) -> dict[str, str]:
+        """Store a main turn, or close the session of a side turn; response headers."""
+        if self.recorder is None:
+            return {}
+        if turn is None:
+            if request.session.session_done and request.session.session_id:
+                await self.recorder.close(request.session.session_id)
+            return {}
+        served = ServedTurn(
+            model=self.model_name,
+            policy_version=policy_version,
+            messages=request.messages,
+            tools=request.tools,
+            prompt_ids=prompt_ids,
+            response_ids=generation.ids,
+            response_logprobs=generation.logprobs,
+            response_text=generation.text,
+            response_message=message,
+            finish_reason=finish_reason,
+        )
+        turn_id = await self.recorder.finish(turn, served)
+        headers = {"X-Session-Id": turn.session_id}
+        if turn_id:
+            headers["X-Turn-Id"] = turn_id
+        return headers
+
+    async def _abandon(self, request: ChatRequest, turn: TurnContext | None) -> None:
+        """A request that failed still closes its session when it said so."""
+        if self.recorder is None or not request.session.session_done:
+            return
+        session_id = request.session.session_id
+        if turn is not None:
+            session_id = await self.recorder.session_of(turn)
+        if session_id:
+            await self.recorder.close(session_id)
+
+    # --- non-streaming ------------------------------------------------------------------
+
+    async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        """A whole chat completion and the response headers (session and turn ids)."""
+        prompt_ids = await self.prompt_ids(request)
+        payload = self.payload(request, prompt_ids)
+        turn = self._begin_turn(request)
+        try:
+            async with self.gate.admit() as policy_version:
+                reply = await self.engine.generate(payload)
+            generation = Generation()
+            generation.update(reply)
+        except Exception as exc:
+            self._engine_failed(exc)
+            await self._abandon(request, turn)
+            raise
+        message, finish_reason = self._message(request, generation)
+        self._count_tokens(len(prompt_ids), len(generation.ids))
+        response = {
+            "id": "chatcmpl-" + secrets.token_hex(12),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": f"clawrl-policy-v{policy_version}",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": openai_logprobs(generation) if request.logprobs else None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": self._usage(generation, len(prompt_ids)),
+        }
+        headers = await self._record(
+            request, turn, prompt_ids, generation, message, finish_reason, policy_version
+        )
+        return response, headers
+
+    # --- streaming ----------------------------------------------------------------------
+
+    async def open_stream(self, request: ChatRequest, started: float) -> OpenStream:
+        """Start a streamed completion. Everything that can fail with a proper HTTP status
+        (validation, hold timeout, engine down) fails here, before the response starts."""
+        prompt_ids = await self.prompt_ids(request)
+        payload = self.payload(request, prompt_ids)
+        turn = self._begin_turn(request)
+        admission = contextlib.AsyncExitStack()
+        events = None
+        try:
+            policy_version = await admission.enter_async_context(self.gate.admit())
+            events = self.engine.generate_stream(payload)
+            first = await anext(events)
+        except BaseException as exc:
+            if events is not None:
+                await events.aclose()
+            await admission.aclose()
+            if isinstance(exc, StopAsyncIteration):
+                exc = EngineBadReply("the engine's stream ended without an event")
+            if isinstance(exc, Exception):
+                self._engine_failed(exc)
+                await self._abandon(request, turn)
+            raise exc from None
+        self.metrics.ttft.observe(time.perf_counter() - started)
+
+        async def release() -> None:
+            await events.aclose()
+            await admission.aclose()
+
+        return OpenStream(
+            self._sse(request, turn, prompt_ids, policy_version, first, events, release),
+            release,
+        )
+
+    async def _sse(
+        self,
+        request: ChatRequest,
+        turn: TurnContext | None,
+        prompt_ids: list[int],
+        policy_version: int,
+        first: dict[str, Any],
+        events: AsyncIterator[dict[str, Any]],
+        release: Callable[[], Awaitable[None]],
+    ) -> AsyncIterator[bytes]:
+        base = {
+            "id": "chatcmpl-" + secrets.token_hex(12),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": f"clawrl-policy-v{policy_version}",
+        }
+        usage_key = {"usage": None} if request.include_usage else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return b"data: " + orjson.dumps({**base, "choices": [choice], **usage_key}) + b"\n\n"
+
+        parser = StreamingToolCallParser(
+            self.tool_call_parser if request.parse_tool_calls else "none"
+        )
+        generation = Generation()
+        calls: list[dict[str, Any]] = []
+        content: list[str] = []
+        sent_tokens = 0
+
+        def pieces(deltas: list[Delta]) -> list[bytes]:
+            nonlocal sent_tokens
+            out = []
+            for delta in deltas:
+                logprobs = None
+                if request.logprobs:
+                    logprobs = openai_logprobs(generation, sent_tokens)
+                    sent_tokens = len(generation.ids)
+                if delta.tool_call is not None:
+                    call = delta.tool_call.to_openai(index=len(calls))
+                    calls.append(delta.tool_call.to_openai())
+                    out.append(chunk({"tool_calls": [call]}, logprobs=logprobs))
+                elif delta.content:
+                    content.append(delta.content)
+                    out.append(chunk({"content": delta.content}, logprobs=logprobs))
+            return out
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                for piece in pieces(parser.feed(generation.update(first))):
+                    yield piece
+                async for event in events:
+                    for piece in pieces(parser.feed(generation.update(event))):
+                        yield piece
+            finally:
+                await release()
+            for piece in pieces(parser.finish()):
+                yield piece
+        except Exception as exc:
+            self._engine_failed(exc)
+            await self._abandon(request, turn)
+            yield b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
+            return
+        if generation.finish is None:
+            generation.finish = "stop"
+        finish_reason = "tool_calls" if calls else generation.finish
+        yield chunk({}, finish_reason)
+        if request.include_usage:
+            usage = self._usage(generation, len(prompt_ids))
+            yield b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
+        self._count_tokens(len(prompt_ids), len(generation.ids))
+        text = "".join(content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": (text.strip() if calls else text) or None,
+        }
+        if calls:
+            message["tool_calls"] = calls
+        if turn is not None or request.session.session_done:
+            with log_context(session_id=turn.session_id if turn else None):
+                await self._record(
+                    request, turn, prompt_ids, generation, message, finish_reason, policy_version
+                )
+        yield DONE

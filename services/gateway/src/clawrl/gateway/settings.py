@@ -1,0 +1,160 @@
+"""The gateway's one settings object (env `CLAWRL_<SECTION>__<FIELD>`, or `clawrl.toml`)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+
+from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings
+
+TurnType = Literal["main", "side"]
+
+
+class ServingSettings(BaseModel):
+    """The OpenAI-compatible HTTP API and how it reaches the policy engine."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
+    port: int = Field(30000, gt=0, lt=65536, description="Port of the HTTP API.")
+    engine_url: str = Field(
+        "http://localhost:30010", description="Base URL of the policy engine (SGLang API)."
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Accepted `Authorization: Bearer` keys (JSON list in the environment). "
+        "When neither this nor api_keys_file gives a key, the API is open.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="A file with one accepted key per line (a mounted Kubernetes Secret); "
+        "read once at start, added to api_keys.",
+    )
+    default_turn_type: TurnType = Field(
+        "main",
+        description="Turn type of a request that sends no X-Turn-Type (body `turn_type`): main "
+        "turns are recorded for training, side turns are only served.",
+    )
+    tool_call_parser: Literal["hermes", "qwen", "none"] = Field(
+        "hermes",
+        description="How tool calls are read from the model's output: hermes/qwen parse "
+        '`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; none returns text only.',
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Completion limit when a request sets neither max_tokens nor "
+        "max_completion_tokens; unset = whatever is left of the context window.",
+    )
+    engine_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait for the engine (whole generation, or a gap "
+        "between two streamed tokens).",
+    )
+    engine_connect_timeout_s: float = Field(
+        3.0, gt=0, description="Timeout of connecting to the engine."
+    )
+    engine_max_connections: int = Field(
+        1024, gt=0, description="Connection pool size towards the engine."
+    )
+    offload_render_chars: int = Field(
+        8192,
+        ge=0,
+        description="Prompts whose messages+tools are longer than this many characters are "
+        "rendered and tokenised in a worker thread (measured: ~30 ms for 30 KB on a 2-core "
+        "CPU, ~0.1 ms for a short chat), so one big prompt does not stall the event loop.",
+    )
+    retry_after_s: int = Field(5, ge=0, description="Retry-After (seconds) sent with 503 answers.")
+
+
+class SessionSettings(BaseModel):
+    """Session state in Redis: pending turns, idle finalisation, anonymous matching."""
+
+    key_prefix: str = Field("clawrl:gw", description="Prefix of every Redis key the gateway owns.")
+    idle_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A session with no request for this long has its pending turn finalised "
+        "with no next state (IDLE_TIMEOUT).",
+    )
+    ttl_s: int = Field(
+        86400,
+        gt=0,
+        description="Expiry of a session's state in Redis, refreshed on every request; must "
+        "exceed idle_timeout_s so the sweeper sees every pending turn first.",
+    )
+    sweep_interval_s: float = Field(
+        5.0, gt=0, description="How often each replica scans for idle sessions."
+    )
+    sweep_batch: int = Field(200, gt=0, description="Most idle sessions finalised per scan.")
+    anonymous_matching: bool = Field(
+        True,
+        description="Recognise the sessions of clients that send no session id by matching "
+        "their history against recorded conversations.",
+    )
+
+
+class ControlSettings(BaseModel):
+    """GatewayControl (gRPC): pause/resume around weight syncs."""
+
+    host: str = Field("127.0.0.1", description="Address the gRPC server listens on.")
+    port: int = Field(
+        30001,
+        ge=0,
+        lt=65536,
+        description="gRPC port (30001, next to the HTTP API's 30000; 0 = pick a free port).",
+    )
+    token: SecretStr | None = Field(
+        None,
+        description="When set, control calls must send metadata `authorization: Bearer <token>`"
+        " (health and reflection stay open for probes).",
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Default time Pause waits for in-flight generations to finish.",
+    )
+    hold_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a request that arrives while paused waits for Resume before it "
+        "gets 503 with Retry-After.",
+    )
+    initial_policy_version: int | None = Field(
+        None,
+        description="Policy version before the first Resume; unset = the engine's "
+        "weight_version when it is an integer, else 0.",
+    )
+
+
+class GatewaySettings(ClawrlSettings):
+    """Everything the gateway needs, built once at start and passed down."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    serving: ServingSettings = Field(default_factory=ServingSettings)
+    sessions: SessionSettings = Field(default_factory=SessionSettings)
+    control: ControlSettings = Field(default_factory=ControlSettings)
+    gateway_id: str = Field(
+        default_factory=socket.gethostname,
+        description="This replica's name in logs, GetStatus and finalised turns (pod name).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        if self.sessions.ttl_s <= self.sessions.idle_timeout_s:
+            raise ValueError(
+                f"sessions.ttl_s ({self.sessions.ttl_s}) must exceed sessions.idle_timeout_s "
+                f"({self.sessions.idle_timeout_s}), else pending turns expire unpublished"
+            )
+        return self
+
+    def api_keys(self) -> list[str]:
+        """Accepted API keys (settings + key file); empty = open."""
+        keys = [key.get_secret_value() for key in self.serving.api_keys]
+        if self.serving.api_keys_file is not None:
+            text = self.serving.api_keys_file.read_text()
+            keys += [line.strip() for line in text.splitlines() if line.strip()]
+        return [key for key in keys if key]

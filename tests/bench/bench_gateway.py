@@ -1,0 +1,284 @@
+"""Benchmark of the gateway's overhead: the same load sent through the gateway and straight to
+the engine (CPU engine, tiny model, short generations), p50/p99 latency and requests/s of
+each and their difference. Prints a table; asserts nothing.
+
+Like is compared with like: the gateway's /v1/chat/completions against the engine's own
+/v1/chat/completions (both render the chat template and tokenise, both return an OpenAI body).
+The engine's /generate with pre-rendered ids is shown as the floor. Gateway rows: `main`
+records every request as a turn in Redis (the default), `side` serves only.
+
+    .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
+        [--max-tokens 6] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+MODEL = "smollm2-tiny"
+QUESTIONS = [
+    "Write a haiku about the sea.",
+    "What is two plus two?",
+    "Name a colour.",
+    "Say hello.",
+]
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready")
+
+
+class Stack:
+    """redis-server, the CPU engine and the gateway as child processes."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+        self.named: dict[str, subprocess.Popen] = {}
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = (self.workdir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.procs.append(proc)
+        self.named[name] = proc
+        return proc
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by the engine and the gateway."""
+        return {name: process_cpu_s(proc.pid) for name, proc in self.named.items()}
+
+    def start(self) -> tuple[str, str]:
+        redis_port, engine_port = free_port(), free_port()
+        gateway_port, grpc_port = free_port(), free_port()
+        redis = shutil.which("redis-server") or "redis-server"
+        self.spawn(
+            "redis",
+            [redis, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""],
+        )
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        engine = self.spawn(
+            "engine",
+            [
+                *(str(BIN / "clawrl-engine"), "--host", "127.0.0.1"),
+                *("--port", str(engine_port), "--model", MODEL),
+            ],
+        )
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        gateway = self.spawn(
+            "gateway",
+            [
+                *(str(BIN / "clawrl-gateway"), "--host", "127.0.0.1", "--port", str(gateway_port)),
+                *("--grpc-port", str(grpc_port), "--model", MODEL, "--engine-url", engine_url),
+                *("--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
+            ],
+            env={"CLAWRL_CONFIG": "/nonexistent", "CLAWRL_SESSIONS__KEY_PREFIX": "bench"},
+        )
+        wait_http(f"{engine_url}/health", engine, "engine")
+        wait_http(f"{gateway_url}/readyz", gateway, "gateway")
+        return engine_url, gateway_url
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def load(
+    url: str,
+    bodies: list[dict],
+    headers: dict[str, str],
+    concurrency: int,
+) -> tuple[list[float], float]:
+    """Send every body with `concurrency` workers; (per-request seconds, wall seconds)."""
+    latencies: list[float] = []
+    queue = list(reversed(bodies))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                start = time.perf_counter()
+                response = await client.post(url, json=body, headers=headers)
+                latencies.append(time.perf_counter() - start)
+                if response.status_code != 200:
+                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:200]}")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(
+    args: argparse.Namespace, engine_url: str, gateway_url: str, stack: Stack | None = None
+) -> None:
+    from clawrl.common.chat import ChatRenderer
+    from clawrl.common.settings import ModelSettings
+
+    renderer = ChatRenderer.from_settings(ModelSettings(path=MODEL))
+    chats = [
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0.7,
+        }
+        for i in range(args.requests)
+    ]
+    generates = [
+        {
+            "input_ids": renderer.render_ids(chat["messages"]),
+            "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 0.7},
+            "return_logprob": True,
+        }
+        for chat in chats
+    ]
+    targets = {
+        "engine /generate (ids)": (f"{engine_url}/generate", generates, {}),
+        "engine /v1/chat": (f"{engine_url}/v1/chat/completions", chats, {}),
+        "gateway /v1/chat main": (f"{gateway_url}/v1/chat/completions", chats, {}),
+        "gateway /v1/chat side": (
+            f"{gateway_url}/v1/chat/completions",
+            chats,
+            {"X-Turn-Type": "side"},
+        ),
+    }
+    results: dict[str, tuple[list[float], float, int]] = {name: ([], 0.0, 0) for name in targets}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in targets}
+    for url, bodies, headers in targets.values():  # warm every path up
+        await load(url, bodies[: args.concurrency * 2], headers, args.concurrency)
+    # Rounds interleave the targets so drift (CPU frequency, caches) hits all of them alike.
+    for _ in range(args.rounds):
+        for name, (url, bodies, headers) in targets.items():
+            cpu_before = stack.cpu_seconds() if stack else {}
+            latencies, wall = await load(url, bodies, headers, args.concurrency)
+            for proc, seconds in (stack.cpu_seconds() if stack else {}).items():
+                cpu[name][proc] = cpu[name].get(proc, 0.0) + seconds - cpu_before[proc]
+            before = results[name]
+            results[name] = (before[0] + latencies, before[1] + wall, before[2] + len(bodies))
+
+    print(
+        f"\n{args.requests} requests x {args.rounds} rounds, {args.concurrency} concurrent "
+        f"clients, max_tokens {args.max_tokens}, model {MODEL}, {os.cpu_count()} CPUs\n"
+    )
+    print(
+        f"{'target':<24} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+        "   CPU ms/req: engine gateway redis"
+    )
+    rows = {}
+    for name, (latencies, wall, count) in results.items():
+        rows[name] = (
+            count / wall,
+            percentile(latencies, 0.5) * 1e3,
+            percentile(latencies, 0.9) * 1e3,
+            percentile(latencies, 0.99) * 1e3,
+        )
+        rps, p50, p90, p99 = rows[name]
+        per_request = {proc: 1e3 * seconds / count for proc, seconds in cpu[name].items()}
+        cpu_columns = "".join(
+            f" {per_request.get(proc, float('nan')):7.2f}"
+            for proc in ("engine", "gateway", "redis")
+        )
+        print(f"{name:<24} {rps:8.1f} {p50:8.1f} {p90:8.1f} {p99:8.1f}            {cpu_columns}")
+    base = rows["engine /v1/chat"]
+    print("\ngateway vs engine /v1/chat (goal: +<=2 ms p50, +<=10 ms p99, >=90% throughput)")
+    for name in ("gateway /v1/chat main", "gateway /v1/chat side"):
+        rps, p50, _, p99 = rows[name]
+        print(
+            f"  {name:<22} p50 {p50 - base[1]:+6.1f} ms   p99 {p99 - base[3]:+6.1f} ms   "
+            f"throughput {100 * rps / base[0]:5.1f}%"
+        )
+    # One client at a time: no queueing in the engine, so the difference is the gateway's own
+    # time per request (at 32 clients the engine is saturated and latency is queueing).
+    print(f"\n1 client, {args.serial_requests} requests x {args.rounds} rounds")
+    serial: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for name in ("engine /v1/chat", "gateway /v1/chat main", "gateway /v1/chat side"):
+            url, bodies, headers = targets[name]
+            latencies, _ = await load(url, bodies[: args.serial_requests], headers, 1)
+            serial.setdefault(name, []).extend(latencies)
+    direct = serial["engine /v1/chat"]
+    print(
+        f"  {'engine /v1/chat':<22} p50 {percentile(direct, 0.5) * 1e3:6.2f} ms   "
+        f"p99 {percentile(direct, 0.99) * 1e3:6.2f} ms   mean {statistics.mean(direct) * 1e3:6.2f}"
+    )
+    for name in ("gateway /v1/chat main", "gateway /v1/chat side"):
+        values = serial[name]
+        print(
+            f"  {name:<22} p50 {(percentile(values, 0.5) - percentile(direct, 0.5)) * 1e3:+6.2f} ms"
+            f"   p99 {(percentile(values, 0.99) - percentile(direct, 0.99)) * 1e3:+6.2f} ms"
+            f"   mean {(statistics.mean(values) - statistics.mean(direct)) * 1e3:+6.2f} ms"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--serial-requests", type=int, default=150, help="requests of the 1-client comparison"
+    )
+    parser.add_argument("--engine-url", help="use a running engine (with --gateway-url)")
+    parser.add_argument("--gateway-url", help="use a running gateway (with --engine-url)")
+    args = parser.parse_args()
+    if args.engine_url and args.gateway_url:
+        asyncio.run(run(args, args.engine_url, args.gateway_url))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        stack = Stack(Path(tmp))
+        try:
+            engine_url, gateway_url = stack.start()
+            asyncio.run(run(args, engine_url, gateway_url, stack))
+        finally:
+            stack.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""GatewayControl over real gRPC: pause holds requests until resume (which sets the version
+the held turns carry), hold timeout, drain, auth; API keys on the HTTP side."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from clawrl.common.proto import control_pb2, control_pb2_grpc
+
+from .helpers import TIMEOUT, user
+
+pytestmark = pytest.mark.integration
+
+TOKEN = [("authorization", "Bearer control-secret")]
+
+
+def stub(handle):
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.grpc_port}")
+    return channel, control_pb2_grpc.GatewayControlStub(channel)
+
+
+def in_background(fn):
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except Exception as exc:  # surfaced by the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_pause_holds_requests_until_resume_with_new_version(gateway, session_id):
+    channel, control = stub(gateway)
+    with channel:
+        try:
+            _pause_and_resume(gateway, control, session_id)
+        finally:
+            control.Resume(control_pb2.ResumeRequest())
+
+
+def _pause_and_resume(gateway, control, session_id):
+    if True:
+        # A long generation is in flight when Pause arrives: Pause waits for it.
+        long_call, long_result = in_background(
+            lambda: gateway.chat(
+                [user("write a lot")], max_tokens=150, headers={"X-Turn-Type": "side"}
+            )
+        )
+        wait_for(lambda: control.GetStatus(control_pb2.GetStatusRequest()).in_flight == 1)
+        paused = control.Pause(control_pb2.PauseRequest(drain_timeout_s=30, reason="test"))
+        assert paused.drained and paused.in_flight == 0 and paused.status.paused
+        long_call.join()
+        assert long_result["value"].status_code == 200
+        # A new request is held, not refused.
+        held_call, held_result = in_background(
+            lambda: gateway.chat(
+                [user("held")], headers={"X-Session-Id": session_id, "X-Session-Done": "1"}
+            )
+        )
+        wait_for(lambda: control.GetStatus(control_pb2.GetStatusRequest()).held == 1)
+        assert gateway.metric("clawrl_gateway_held_requests") == 1
+        assert gateway.metric("clawrl_gateway_paused") == 1
+        time.sleep(0.3)
+        assert held_call.is_alive()
+        resumed = control.Resume(control_pb2.ResumeRequest(policy_version=7))
+        assert resumed.released == 1 and not resumed.status.paused
+        assert resumed.status.policy_version == 7
+        held_call.join(timeout=30)
+        reply = held_result["value"]
+        assert reply.status_code == 200 and reply.json()["system_fingerprint"] == "clawrl-policy-v7"
+        [turn] = gateway.wait_turns(session_id, 1)
+        assert turn.policy_version == 7
+        status = control.GetStatus(control_pb2.GetStatusRequest())
+        assert (status.paused, status.held, status.in_flight) == (False, 0, 0)
+        assert status.gateway_id == "main"
+
+
+def test_hold_timeout_gives_503_with_retry_after(secured):
+    channel, control = stub(secured)
+    with channel:
+        control.Pause(control_pb2.PauseRequest(drain_timeout_s=5), metadata=TOKEN)
+        try:
+            started = time.monotonic()
+            reply = secured.chat([user("x")], headers={"Authorization": "Bearer sk-test-1"})
+            assert 0.9 < time.monotonic() - started < 10
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "3"
+            assert reply.json()["error"]["code"] == "gateway_paused"
+            stream = secured.chat(
+                [user("x")], headers={"Authorization": "Bearer sk-test-1"}, stream=True
+            )
+            assert stream.status_code == 503 and stream.json()["error"]["type"]
+        finally:
+            control.Resume(control_pb2.ResumeRequest(), metadata=TOKEN)
+    assert secured.metric("clawrl_gateway_hold_timeouts_total") >= 2
+
+
+def test_control_token_health_and_reflection(secured):
+    channel, control = stub(secured)
+    with channel:
+        with pytest.raises(grpc.RpcError) as info:
+            control.GetStatus(control_pb2.GetStatusRequest())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            control.Pause(control_pb2.PauseRequest(), metadata=[("authorization", "Bearer wrong")])
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert control.GetStatus(control_pb2.GetStatusRequest(), metadata=TOKEN).paused is False
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "clawrl.v1.GatewayControl"):
+            check = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(
+            iter(
+                reflection.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+            )
+        )
+        names = {s.name for s in answer.list_services_response.service}
+        assert "clawrl.v1.GatewayControl" in names
+
+
+def test_api_keys(secured):
+    with pytest.raises(openai.AuthenticationError) as info:
+        secured.openai(api_key="sk-wrong").chat.completions.create(
+            model="m", messages=[user("x")], max_tokens=2
+        )
+    assert info.value.status_code == 401
+    body = httpx.post(
+        f"{secured.base_url}/chat/completions", json={"messages": [user("x")]}, timeout=TIMEOUT
+    )
+    assert body.status_code == 401
+    assert set(body.json()["error"]) == {"message", "type", "param", "code"}
+    reply = secured.openai(api_key="sk-test-2").chat.completions.create(
+        model="m", messages=[user("x")], max_tokens=2, extra_headers={"X-Turn-Type": "side"}
+    )
+    assert reply.choices[0].message.role == "assistant"
+    # Probes stay open.
+    assert httpx.get(f"{secured.url}/healthz", timeout=TIMEOUT).status_code == 200
