@@ -1,7 +1,8 @@
-"""The SGLang client maps engine failures to two exception types and parses streams."""
+"""The SGLang client maps engine failures to two exception types and parses streams; exercised
+over real HTTP against a scripted server."""
 
-import httpx
 import pytest
+from aiohttp import web
 
 from clawrl.common.sglang_client import (
     EngineRequestError,
@@ -9,10 +10,8 @@ from clawrl.common.sglang_client import (
     SGLangClient,
     sampling_params,
 )
-
-
-def client_for(handler) -> SGLangClient:
-    return SGLangClient("http://engine", transport=httpx.MockTransport(handler))
+from tests.conftest import free_port
+from tests.scripted_engine import scripted_engine, sse
 
 
 def test_sampling_params_use_sglang_names() -> None:
@@ -29,45 +28,53 @@ def test_sampling_params_use_sglang_names() -> None:
 
 
 async def test_a_4xx_is_a_request_error_with_the_engines_message() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(400, json={"error": {"message": "input_ids out of vocab"}})
+    async def reject(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "input_ids out of vocab"}}, status=400)
 
-    client = client_for(handler)
-    with pytest.raises(EngineRequestError, match="input_ids out of vocab") as info:
-        await client.generate({"input_ids": [10**9]})
-    assert info.value.status_code == 400
-    await client.aclose()
+    async with scripted_engine({"/generate": reject}) as url:
+        client = SGLangClient(url)
+        with pytest.raises(EngineRequestError, match="input_ids out of vocab") as info:
+            await client.generate({"input_ids": [10**9]})
+        assert info.value.status_code == 400
+        await client.aclose()
 
 
 async def test_a_5xx_and_a_refused_connection_are_unavailable() -> None:
-    client = client_for(lambda request: httpx.Response(503, text="overloaded"))
-    with pytest.raises(EngineUnavailable, match="503"):
-        await client.generate({"text": "hi"})
+    async def overloaded(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="overloaded")
 
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
+    async with scripted_engine({"/generate": overloaded, "/health": overloaded}) as url:
+        client = SGLangClient(url)
+        with pytest.raises(EngineUnavailable, match="503"):
+            await client.generate({"text": "hi"})
+        assert await client.health() is False
+        await client.aclose()
 
-    client = client_for(refuse)
+    client = SGLangClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(EngineUnavailable, match="unreachable"):
         await client.generate({"text": "hi"})
     assert await client.health() is False
+    await client.aclose()
 
 
 async def test_stream_yields_events_until_done() -> None:
-    body = b'data: {"text": "a"}\n\ndata: {"text": "ab"}\n\ndata: [DONE]\n\n'
+    async def stream(request: web.Request) -> web.StreamResponse:
+        assert (await request.json())["stream"] is True
+        return await sse(request, [{"text": "a"}, {"text": "ab"}])
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert b'"stream":true' in request.content.replace(b" ", b"")
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
-
-    client = client_for(handler)
-    events = [event async for event in client.generate_stream({"text": "x"})]
+    async with scripted_engine({"/generate": stream}) as url:
+        client = SGLangClient(url)
+        events = [event async for event in client.generate_stream({"text": "x"})]
+        await client.aclose()
     assert events == [{"text": "a"}, {"text": "ab"}]
 
 
 async def test_failed_weight_update_is_returned_not_raised() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(400, json={"success": False, "message": "no such dir"})
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "no such dir"}, status=400)
 
-    result = await client_for(handler).update_weights_from_disk("/nope", weight_version="3")
+    async with scripted_engine({"/update_weights_from_disk": refuse}) as url:
+        client = SGLangClient(url)
+        result = await client.update_weights_from_disk("/nope", weight_version="3")
+        await client.aclose()
     assert result == {"success": False, "message": "no such dir"}

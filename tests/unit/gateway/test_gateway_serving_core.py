@@ -1,15 +1,16 @@
-"""The serving core against a scripted engine (httpx MockTransport speaking SGLang's /generate):
+"""The serving core against a scripted engine (a real HTTP server speaking SGLang's /generate):
 tool calls come back as OpenAI `tool_calls` (whole) and `delta.tool_calls` (streamed), and
 responses carry usage and finish reasons. The real engine is exercised by the integration
 tests; here the model's output has to be a tool call, which the tiny random model never emits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
-import httpx
 import pytest
+from aiohttp import web
 
 from clawrl.common.sglang_client import SGLangClient
 from clawrl.gateway.control import PauseGate
@@ -17,6 +18,7 @@ from clawrl.gateway.errors import ContextLengthExceeded
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import parse_chat_request
 from clawrl.gateway.serving import ChatService
+from tests.scripted_engine import scripted_engine, sse
 
 OUTPUT = (
     "Let me look.\n<tool_call>\n"
@@ -51,34 +53,41 @@ def engine_events(text: str) -> list[dict]:
     return events
 
 
-def transport(text: str) -> httpx.MockTransport:
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+def generate_route(text: str):
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         assert body["return_logprob"] is True and body["sampling_params"]["stop_token_ids"] == [2]
         events = engine_events(text)
         if not body["stream"]:
-            return httpx.Response(200, json=events[-1])
-        lines = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=lines, headers={"content-type": "text/event-stream"})
+            return web.json_response(events[-1])
+        return await sse(request, events)
 
-    return httpx.MockTransport(handler)
+    return generate
 
 
 @pytest.fixture
-def service():
-    def make(text: str = OUTPUT, context_length: int = 8192) -> ChatService:
-        metrics = GatewayMetrics()
-        return ChatService(
-            renderer=FakeRenderer(),
-            engine=SGLangClient("http://engine", transport=transport(text)),
-            gate=PauseGate(metrics, hold_timeout_s=1, retry_after_s=1),
-            metrics=metrics,
-            recorder=None,
-            model_name="m",
-            context_length=context_length,
-        )
+async def service():
+    """`await make(text)` -> a ChatService whose engine answers `text`, a character a token."""
+    async with contextlib.AsyncExitStack() as stack:
 
-    return make
+        async def make(text: str = OUTPUT, context_length: int = 8192) -> ChatService:
+            url = await stack.enter_async_context(
+                scripted_engine({"/generate": generate_route(text)})
+            )
+            engine = SGLangClient(url)
+            stack.push_async_callback(engine.aclose)
+            metrics = GatewayMetrics()
+            return ChatService(
+                renderer=FakeRenderer(),
+                engine=engine,
+                gate=PauseGate(metrics, hold_timeout_s=1, retry_after_s=1),
+                metrics=metrics,
+                recorder=None,
+                model_name="m",
+                context_length=context_length,
+            )
+
+        yield make
 
 
 def request(**body):
@@ -87,7 +96,7 @@ def request(**body):
 
 
 async def test_tool_call_in_a_whole_response(service):
-    body, _ = await service().complete(request(tools=TOOLS))
+    body, _ = await (await service()).complete(request(tools=TOOLS))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me look."
@@ -98,15 +107,15 @@ async def test_tool_call_in_a_whole_response(service):
 
 
 async def test_without_tools_the_text_is_returned_as_is(service):
-    body, _ = await service().complete(request())
+    body, _ = await (await service()).complete(request())
     assert body["choices"][0]["message"] == {"role": "assistant", "content": OUTPUT}
     assert body["choices"][0]["finish_reason"] == "stop"
-    body, _ = await service().complete(request(tools=TOOLS, tool_choice="none"))
+    body, _ = await (await service()).complete(request(tools=TOOLS, tool_choice="none"))
     assert "tool_calls" not in body["choices"][0]["message"]
 
 
 async def test_streamed_tool_call_arrives_as_delta_tool_calls(service):
-    svc = service()
+    svc = await service()
     stream = await svc.open_stream(request(tools=TOOLS, stream=True), time.perf_counter())
     raw = [line async for line in stream.lines]
     await stream.release()
@@ -124,6 +133,6 @@ async def test_streamed_tool_call_arrives_as_delta_tool_calls(service):
 
 async def test_prompt_beyond_the_context_is_refused_before_the_engine(service):
     with pytest.raises(ContextLengthExceeded) as info:
-        await service(context_length=3).complete(request())
+        await (await service(context_length=3)).complete(request())
     assert "maximum context length is 3 tokens" in info.value.message
     assert "resulted in 3 tokens" in info.value.message

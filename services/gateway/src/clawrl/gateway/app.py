@@ -25,7 +25,6 @@ from clawrl.common.metrics import exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
 from clawrl.common.sglang_client import EngineError, SGLangClient
 from clawrl.gateway.control import PauseGate, start_control_server
-from clawrl.gateway.engine import EngineClient
 from clawrl.gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -168,7 +167,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         model_dir = resolve_model_dir(settings.model)
         chat = renderer or await asyncio.to_thread(ChatRenderer.from_settings, settings.model)
-        engine = EngineClient(
+        engine = SGLangClient(
             settings.serving.engine_url,
             timeout_s=settings.serving.engine_timeout_s,
             connect_timeout_s=settings.serving.engine_connect_timeout_s,

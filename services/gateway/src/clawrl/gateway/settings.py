@@ -6,14 +6,14 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 
-from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings
+from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 
 TurnType = Literal["main", "side"]
 
 
-class ServingSettings(BaseModel):
+class ServingSettings(Section):
     """The OpenAI-compatible HTTP API and how it reaches the policy engine."""
 
     host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
@@ -69,7 +69,7 @@ class ServingSettings(BaseModel):
     retry_after_s: int = Field(5, ge=0, description="Retry-After (seconds) sent with 503 answers.")
 
 
-class SessionSettings(BaseModel):
+class SessionSettings(Section):
     """Session state in Redis: pending turns, idle finalisation, anonymous matching."""
 
     key_prefix: str = Field("clawrl:gw", description="Prefix of every Redis key the gateway owns.")
@@ -96,7 +96,7 @@ class SessionSettings(BaseModel):
     )
 
 
-class ControlSettings(BaseModel):
+class ControlSettings(Section):
     """GatewayControl (gRPC): pause/resume around weight syncs."""
 
     host: str = Field("127.0.0.1", description="Address the gRPC server listens on.")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from clawrl.common.settings import ClawrlSettings, ModelSettings
+from clawrl.common.settings import ClawrlSettings, ModelSettings, Section
 
 
-class ServingSettings(BaseModel):
+class ServingSettings(Section):
     """The HTTP server and the CPU engine's scheduler (section `[engine]`)."""
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
@@ -61,7 +61,7 @@ class ServingSettings(BaseModel):
     )
 
 
-class SGLangSettings(BaseModel):
+class SGLangSettings(Section):
     """Flags for `python -m sglang.launch_server` (section `[sglang]`; backend `sglang` only)."""
 
     python: str = Field("python3", description="Interpreter that runs sglang.launch_server.")

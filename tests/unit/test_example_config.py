@@ -1,0 +1,35 @@
+"""deploy/clawrl.example.toml stays true: every service loads it, and what it sets arrives."""
+
+from pathlib import Path
+
+import pytest
+
+from clawrl.engine.settings import EngineSettings
+from clawrl.gateway.settings import GatewaySettings
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "clawrl.example.toml"
+
+
+@pytest.fixture(autouse=True)
+def use_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLAWRL_CONFIG", str(EXAMPLE))
+
+
+def test_the_engine_reads_its_sections() -> None:
+    settings = EngineSettings()
+    assert settings.engine.max_running_requests == 16
+    assert settings.sglang.tp_size == 2
+    assert settings.model.path == "SmolLM2-135M-Instruct"
+
+
+def test_the_gateway_reads_its_sections() -> None:
+    settings = GatewaySettings()
+    assert settings.serving.engine_url == "http://localhost:30010"
+    assert settings.sessions.idle_timeout_s == 600
+    assert settings.control.hold_timeout_s == 120
+    assert settings.redis.turns_stream == "clawrl:turns"
+
+
+def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLAWRL_CONTROL__HOLD_TIMEOUT_S", "7.5")
+    assert GatewaySettings().control.hold_timeout_s == 7.5
