@@ -69,38 +69,32 @@ def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-@pytest.fixture(scope="session")
-def redis_url(log_dir: Path, tmp_path_factory) -> Iterator[str]:
-    """A real redis-server on a free port, no persistence, for the whole session."""
+def start_redis(port: int, log_dir: Path, name: str = "redis") -> ChildProcess:
+    """A real redis-server on `port` without persistence, ready to answer PING."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.fail("redis-server is not installed (make setup installs it)")
-    port = free_port()
-    data_dir = tmp_path_factory.mktemp("redis")
     child = ChildProcess(
-        "redis",
-        [
-            server,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(data_dir),
-        ],
+        name,
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(log_dir)],
         log_dir,
-    )
+    )  # fmt: skip
 
     def ping() -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
 
-    wait_until(ping, 10, "redis-server", child.proc)
+    wait_until(ping, 10, name, child.proc)
+    return child
+
+
+@pytest.fixture(scope="session")
+def redis_url(log_dir: Path) -> Iterator[str]:
+    """A real redis-server on a free port for the whole session."""
+    port = free_port()
+    child = start_redis(port, log_dir)
     yield f"redis://127.0.0.1:{port}/0"
     child.stop()
 

@@ -3,15 +3,13 @@ recording (counted), and recording comes back with Redis."""
 
 from __future__ import annotations
 
-import shutil
-import socket
 import uuid
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ChildProcess, free_port, wait_until
+from tests.conftest import free_port, start_redis
 
 from .helpers import TIMEOUT, user
 
@@ -83,22 +81,6 @@ def test_engine_down_is_a_clear_503(engine_down):
     assert ready.status_code == 503 and ready.json()["engine"]["reachable"] is False
 
 
-def start_redis(port: int, log_dir) -> ChildProcess:
-    child = ChildProcess(
-        f"redis-late-{port}",
-        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
-        log_dir,
-    )
-
-    def ping() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-
-    wait_until(ping, 10, "redis-server", child.proc)
-    return child
-
-
 def test_redis_down_serving_continues_and_recording_recovers(gateways, log_dir):
     port = free_port()
     handle = gateways.ready(gateways.start("redis-down", redis_url=f"redis://127.0.0.1:{port}/0"))
@@ -113,7 +95,7 @@ def test_redis_down_serving_continues_and_recording_recovers(gateways, log_dir):
     ready = httpx.get(f"{handle.url}/readyz", timeout=TIMEOUT).json()
     assert ready["redis"] is False and ready["status"] == "ready"
     # Redis comes back: the next requests are recorded again.
-    redis_child = start_redis(port, log_dir)
+    redis_child = start_redis(port, log_dir, name=f"redis-late-{port}")
     try:
         handle.redis_url = f"redis://127.0.0.1:{port}/0"
         back = f"back-{uuid.uuid4().hex[:8]}"
