@@ -28,7 +28,7 @@ proto: setup  ## regenerate the protobuf/gRPC code in clawrl.common.proto
 lint: setup
 	$(VENV)/bin/ruff check services tests deploy
 	$(VENV)/bin/ruff format --check services tests deploy
-	for f in services/*/Dockerfile; do $(VENV)/bin/hadolint $$f; done
+	$(VENV)/bin/hadolint services/*/Dockerfile
 
 bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_engine.py

@@ -46,7 +46,13 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-_RESERVED = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "service"}
+# color_message: uvicorn's ANSI-coloured copy of the message.
+_RESERVED = set(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "service",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
