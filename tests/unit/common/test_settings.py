@@ -62,3 +62,11 @@ def test_a_misspelt_key_is_an_error(config: Path) -> None:
     config.write_text('[model]\npth = "/models/policy"\n')
     with pytest.raises(ValidationError, match="pth"):
         DemoSettings()
+
+
+def test_overrides_are_validated_and_skip_unset_flags(config: Path) -> None:
+    config.write_text('[model]\npath = "/from/toml"\n')
+    settings = DemoSettings().with_overrides({"model": {"path": None, "context_length": 4096}})
+    assert (settings.model.path, settings.model.context_length) == ("/from/toml", 4096)
+    with pytest.raises(ValidationError, match="context_length"):
+        DemoSettings().with_overrides({"model": {"context_length": 0}})

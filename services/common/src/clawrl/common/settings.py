@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import (
@@ -107,3 +107,11 @@ class ClawrlSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml = TomlConfigSettingsSource(settings_cls, toml_file=config_file())
         return (init_settings, env_settings, toml, file_secret_settings)
+
+    def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> Self:
+        """A validated copy with `{section: {field: value}}` on top (command-line flags);
+        None values (flags not given) leave the field as it is."""
+        data = self.model_dump()
+        for section, fields in overrides.items():
+            data[section].update({key: value for key, value in fields.items() if value is not None})
+        return type(self).model_validate(data)

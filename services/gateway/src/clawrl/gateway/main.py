@@ -32,19 +32,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace) -> GatewaySettings:
     """Settings with the given flags on top of env / TOML / defaults."""
-    base = GatewaySettings()
-    sections = {
-        "serving": {"host": args.host, "port": args.port, "engine_url": args.engine_url},
-        "redis": {"url": args.redis_url},
-        "model": {"path": args.model},
-        "control": {"port": args.grpc_port},
-    }
-    updates = {}
-    for section, fields in sections.items():
-        given = {key: value for key, value in fields.items() if value is not None}
-        if given:
-            updates[section] = getattr(base, section).model_copy(update=given)
-    return base.model_copy(update=updates) if updates else base
+    return GatewaySettings().with_overrides(
+        {
+            "serving": {"host": args.host, "port": args.port, "engine_url": args.engine_url},
+            "redis": {"url": args.redis_url},
+            "model": {"path": args.model},
+            "control": {"port": args.grpc_port},
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,20 +30,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_settings(args: argparse.Namespace) -> EngineSettings:
     """Settings from env/TOML, with the CLI flags given on top."""
-    settings = EngineSettings()
-    flags = {
-        "host": args.host,
-        "port": args.port,
-        "backend": args.backend,
-        "weight_version": args.weight_version,
-        "max_running_requests": args.max_running_requests,
-        "max_queued_requests": args.max_queued_requests,
-    }
-    engine = settings.engine.model_dump() | {k: v for k, v in flags.items() if v is not None}
-    model = settings.model.model_dump() | ({"path": args.model} if args.model else {})
-    # Keyword arguments outrank env and TOML, and are validated like them.
-    return EngineSettings(
-        model=model, engine=engine, sglang=settings.sglang, logging=settings.logging
+    return EngineSettings().with_overrides(
+        {
+            "engine": {
+                "host": args.host,
+                "port": args.port,
+                "backend": args.backend,
+                "weight_version": args.weight_version,
+                "max_running_requests": args.max_running_requests,
+                "max_queued_requests": args.max_queued_requests,
+            },
+            "model": {"path": args.model},
+        }
     )
 
 
