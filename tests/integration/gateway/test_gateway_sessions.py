@@ -107,7 +107,11 @@ def test_recorded_ids_and_logprobs_are_what_the_engine_sampled(gateway, engine_u
     session_id = f"fidelity-{uuid.uuid4().hex[:8]}"
     messages = [user("Tell me about token fidelity.")]
     reply = gateway.chat(
-        messages, headers={"X-Session-Id": session_id, "X-Session-Done": "1"}, max_tokens=12
+        messages,
+        headers={"X-Session-Id": session_id, "X-Session-Done": "1"},
+        max_tokens=12,
+        temperature=0.5,
+        top_p=0.9,
     )
     assert reply.status_code == 200
     [turn] = gateway.wait_turns(session_id, 1)
@@ -127,6 +131,7 @@ def test_recorded_ids_and_logprobs_are_what_the_engine_sampled(gateway, engine_u
     assert [e[1] for e in teacher] == response_ids
     assert list(turn.response_logprobs) == pytest.approx([e[0] for e in teacher], abs=2e-3)
     assert renderer.tokenizer.decode(response_ids, skip_special_tokens=True) == turn.response_text
+    assert (turn.temperature, turn.top_p) == pytest.approx((0.5, 0.9))
 
 
 WEATHER = {

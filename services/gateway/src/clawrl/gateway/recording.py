@@ -55,6 +55,8 @@ class ServedTurn:
     response_text: str
     response_message: dict[str, Any]
     finish_reason: str
+    temperature: float
+    top_p: float
     created_ns: int = field(default_factory=time.time_ns)
 
 
@@ -93,6 +95,8 @@ def pending_turn(session_id: str, served: ServedTurn) -> bytes:
         response_text=served.response_text,
         response_message_json=orjson.dumps(served.response_message).decode(),
         finish_reason=served.finish_reason,
+        temperature=served.temperature,
+        top_p=served.top_p,
         created_at=_timestamp(served.created_ns),
     ).SerializeToString()
 

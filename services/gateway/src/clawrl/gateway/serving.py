@@ -274,6 +274,8 @@ class ChatService:
             response_text=generation.text,
             response_message=message,
             finish_reason=finish_reason,
+            temperature=request.temperature,
+            top_p=request.top_p,
         )
         turn_id = await self.recorder.finish(turn, served)
         headers = {"X-Session-Id": turn.session_id}

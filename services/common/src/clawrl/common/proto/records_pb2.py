@@ -26,19 +26,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63lawrl/v1/records.proto\x12\tclawrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x80\x04\n\x04Turn\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x15\n\rmessages_json\x18\x06 \x01(\t\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\t \x03(\x05\x12\x19\n\x11response_logprobs\x18\n \x03(\x02\x12\x15\n\rresponse_text\x18\x0b \x01(\t\x12\x1d\n\x15response_message_json\x18\x0c \x01(\t\x12\x15\n\rfinish_reason\x18\r \x01(\t\x12\x17\n\x0fnext_state_json\x18\x0e \x01(\t\x12\x32\n\x0f\x66inalize_reason\x18\x0f \x01(\x0e\x32\x19.clawrl.v1.FinalizeReason\x12\x18\n\x10history_mismatch\x18\x10 \x01(\x08\x12.\n\ncreated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x66inalized_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ngateway_id\x18\x13 \x01(\t\"\xca\x02\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12#\n\x04mode\x18\x05 \x01(\x0e\x32\x15.clawrl.v1.SampleMode\x12\x12\n\nprompt_ids\x18\x06 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x07 \x03(\x05\x12\x14\n\x0cold_logprobs\x18\x08 \x03(\x02\x12\x0e\n\x06reward\x18\t \x01(\x02\x12\r\n\x05votes\x18\n \x03(\x05\x12\x0c\n\x04hint\x18\x0b \x01(\t\x12\x18\n\x10teacher_logprobs\x18\x0c \x03(\x02\x12\x11\n\tloss_mask\x18\r \x03(\x02\x12.\n\ncreated_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xb5\x01\n\x0e\x46inalizeReason\x12\x1f\n\x1b\x46INALIZE_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x46INALIZE_REASON_NEXT_STATE\x10\x01\x12 \n\x1c\x46INALIZE_REASON_SESSION_DONE\x10\x02\x12 \n\x1c\x46INALIZE_REASON_IDLE_TIMEOUT\x10\x03\x12\x1e\n\x1a\x46INALIZE_REASON_SUPERSEDED\x10\x04*s\n\nSampleMode\x12\x1b\n\x17SAMPLE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLE_MODE_BINARY_RL\x10\x01\x12\x13\n\x0fSAMPLE_MODE_OPD\x10\x02\x12\x18\n\x14SAMPLE_MODE_COMBINED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63lawrl/v1/records.proto\x12\tclawrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa4\x04\n\x04Turn\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x15\n\rmessages_json\x18\x06 \x01(\t\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\t \x03(\x05\x12\x19\n\x11response_logprobs\x18\n \x03(\x02\x12\x15\n\rresponse_text\x18\x0b \x01(\t\x12\x1d\n\x15response_message_json\x18\x0c \x01(\t\x12\x15\n\rfinish_reason\x18\r \x01(\t\x12\x17\n\x0fnext_state_json\x18\x0e \x01(\t\x12\x32\n\x0f\x66inalize_reason\x18\x0f \x01(\x0e\x32\x19.clawrl.v1.FinalizeReason\x12\x18\n\x10history_mismatch\x18\x10 \x01(\x08\x12.\n\ncreated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x66inalized_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ngateway_id\x18\x13 \x01(\t\x12\x13\n\x0btemperature\x18\x14 \x01(\x02\x12\r\n\x05top_p\x18\x15 \x01(\x02\"\xca\x02\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12#\n\x04mode\x18\x05 \x01(\x0e\x32\x15.clawrl.v1.SampleMode\x12\x12\n\nprompt_ids\x18\x06 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x07 \x03(\x05\x12\x14\n\x0cold_logprobs\x18\x08 \x03(\x02\x12\x0e\n\x06reward\x18\t \x01(\x02\x12\r\n\x05votes\x18\n \x03(\x05\x12\x0c\n\x04hint\x18\x0b \x01(\t\x12\x18\n\x10teacher_logprobs\x18\x0c \x03(\x02\x12\x11\n\tloss_mask\x18\r \x03(\x02\x12.\n\ncreated_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xb5\x01\n\x0e\x46inalizeReason\x12\x1f\n\x1b\x46INALIZE_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x46INALIZE_REASON_NEXT_STATE\x10\x01\x12 \n\x1c\x46INALIZE_REASON_SESSION_DONE\x10\x02\x12 \n\x1c\x46INALIZE_REASON_IDLE_TIMEOUT\x10\x03\x12\x1e\n\x1a\x46INALIZE_REASON_SUPERSEDED\x10\x04*s\n\nSampleMode\x12\x1b\n\x17SAMPLE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLE_MODE_BINARY_RL\x10\x01\x12\x13\n\x0fSAMPLE_MODE_OPD\x10\x02\x12\x18\n\x14SAMPLE_MODE_COMBINED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clawrl.v1.records_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINALIZEREASON']._serialized_start=920
-  _globals['_FINALIZEREASON']._serialized_end=1101
-  _globals['_SAMPLEMODE']._serialized_start=1103
-  _globals['_SAMPLEMODE']._serialized_end=1218
+  _globals['_FINALIZEREASON']._serialized_start=956
+  _globals['_FINALIZEREASON']._serialized_end=1137
+  _globals['_SAMPLEMODE']._serialized_start=1139
+  _globals['_SAMPLEMODE']._serialized_end=1254
   _globals['_TURN']._serialized_start=72
-  _globals['_TURN']._serialized_end=584
-  _globals['_SAMPLE']._serialized_start=587
-  _globals['_SAMPLE']._serialized_end=917
+  _globals['_TURN']._serialized_end=620
+  _globals['_SAMPLE']._serialized_start=623
+  _globals['_SAMPLE']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ SAMPLE_MODE_OPD: SampleMode
 SAMPLE_MODE_COMBINED: SampleMode
 
 class Turn(_message.Message):
-    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id")
+    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id", "temperature", "top_p")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class Turn(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     FINALIZED_AT_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     session_id: str
     turn_index: int
@@ -75,7 +77,9 @@ class Turn(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     finalized_at: _timestamp_pb2.Timestamp
     gateway_id: str
-    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    temperature: float
+    top_p: float
+    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("sample_id", "session_id", "turn_index", "policy_version", "mode", "prompt_ids", "response_ids", "old_logprobs", "reward", "votes", "hint", "teacher_logprobs", "loss_mask", "created_at")
