@@ -1,7 +1,7 @@
 """The SGLang command built from clawrl settings (flag names are SGLang's ServerArgs)."""
 
 from clawrl.common.settings import ModelSettings
-from clawrl.engine.launcher import build_argv
+from clawrl.engine.launcher import build_argv, build_env
 from clawrl.engine.main import load_settings, parse_args
 from clawrl.engine.settings import EngineSettings, ServingSettings, SGLangSettings
 
@@ -80,3 +80,10 @@ def test_cli_flags_override_settings(monkeypatch):
     assert settings.engine.max_queued_requests == 7
     assert settings.engine.backend == "sglang"
     assert settings.model.path == "smollm2-tiny"
+
+
+def test_sglang_reports_raw_logprobs_like_the_cpu_engine():
+    env = build_env(EngineSettings(), {"PATH": "/usr/bin"})
+    assert env == {"PATH": "/usr/bin", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    off = EngineSettings(sglang=SGLangSettings(return_original_logprob=False))
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in build_env(off, {})

@@ -7,6 +7,7 @@ Flag names are SGLang's `ServerArgs` fields (python/sglang/srt/server_args.py, `
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from clawrl.common.models import ModelNotFoundError, resolve_model_dir, served_model_name
@@ -61,7 +62,16 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
     return argv + list(sg.extra_args)
 
 
+def build_env(settings: EngineSettings, base: Mapping[str, str]) -> dict[str, str]:
+    """SGLang's environment: `base` plus the variables the settings imply."""
+    env = dict(base)
+    if settings.sglang.return_original_logprob:
+        # Same log-prob semantics on GPUs as on the CPU engine, so recorded turns mean one thing.
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    return env
+
+
 def exec_sglang(settings: EngineSettings) -> None:
     """Replace this process with SGLang's server (signals then reach SGLang directly)."""
     argv = build_argv(settings)
-    os.execvp(argv[0], argv)
+    os.execvpe(argv[0], argv, build_env(settings, os.environ))

@@ -87,6 +87,12 @@ class SGLangSettings(Section):
     trust_remote_code: bool = Field(False, description="Allow custom model code from the repo.")
     random_seed: int | None = Field(None, description="SGLang's --random-seed.")
     log_level: str = Field("info", description="SGLang's --log-level.")
+    return_original_logprob: bool = Field(
+        True,
+        description="Report log-probs of the raw distribution (before temperature), as the CPU "
+        "engine does, by setting SGLANG_RETURN_ORIGINAL_LOGPROB=1; SGLang's own default "
+        "divides the logits by the temperature first.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="More flags appended verbatim, e.g. ['--attention-backend', 'fa3'].",
