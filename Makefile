@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): scripts/setup.sh services/common/pyproject.toml services/rollout-engine/pyproject.toml services/gateway/pyproject.toml
+$(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 	bash scripts/setup.sh
 	touch $(STAMP)
 

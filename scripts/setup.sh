@@ -31,7 +31,8 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # compat mode puts each src/ on sys.path, which is what a namespace package split over
 # several distributions (clawrl.common, clawrl.engine, ...) needs in editable installs.
 "${PIP[@]}" --config-settings editable_mode=compat \
-  -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]"
+  -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
+  -e "services/judge[test]" -e "services/trainer[test,megatron]"
 
 echo "==> preparing models"
 "$VENV/bin/clawrl-prepare-model" --all

@@ -71,6 +71,14 @@ class RedisSettings(Section):
     url: str = Field("redis://localhost:6390/0", description="Redis URL.")
     turns_stream: str = Field("clawrl:turns", description="Stream of finished Turn records.")
     samples_stream: str = Field("clawrl:samples", description="Stream of scored Sample records.")
+    deadletter_stream: str = Field(
+        "clawrl:deadletter",
+        description="Where entries that cannot be processed go, with the reason (every consumer).",
+    )
+    versions_stream: str = Field(
+        "clawrl:versions",
+        description="Stream of 'policy version N is ready' announcements (trainer -> weight sync).",
+    )
     stream_maxlen: int = Field(
         1_000_000, gt=0, description="Approximate cap on stream length (XADD MAXLEN ~)."
     )

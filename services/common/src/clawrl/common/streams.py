@@ -1,14 +1,206 @@
-"""Redis Streams: appending records. Entries carry `{id, type, data}` (see records.py);
-delivery to consumer groups is at-least-once, so consumers deduplicate on `id`."""
+"""Redis Streams: appending records, and consuming them in a consumer group.
+
+Entries carry `{id, type, data}` (see records.py). Delivery to a consumer group is
+at-least-once: a consumer XACKs an entry only once its work is durable, so a consumer that dies
+leaves its entries pending, and a live one takes them over with XAUTOCLAIM after `claim_idle_ms`.
+Consumers therefore deduplicate on the record `id`. An entry delivered `max_deliveries` times
+without being acknowledged (a poison entry) goes to the dead-letter stream with its reason.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from clawrl.common.records import Sample, Turn, encode_entry
+
+log = logging.getLogger(__name__)
 
 
 async def publish(redis: Redis, stream: str, record: Turn | Sample, maxlen: int) -> str:
     """XADD one record (trimming the stream to about `maxlen`); returns the entry id."""
     entry_id = await redis.xadd(stream, encode_entry(record), maxlen=maxlen, approximate=True)
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return _text(entry_id)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class Entry:
+    """One delivered stream entry: its stream id, its fields, and how often it was delivered."""
+
+    entry_id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+
+    @property
+    def record_id(self) -> str:
+        """The record's stable id (`{session_id}:{turn_index}`), "" when the entry has none."""
+        return _text(self.fields.get(b"id", b""))
+
+
+class GroupConsumer:
+    """One consumer of a consumer group: reads new entries, claims those a dead consumer left
+    pending, acknowledges, and dead-letters poison entries."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        stream: str,
+        group: str,
+        consumer: str,
+        deadletter_stream: str,
+        max_deliveries: int = 5,
+        claim_idle_ms: int = 60_000,
+        deadletter_maxlen: int = 100_000,
+    ) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.deadletter_stream = deadletter_stream
+        self.max_deliveries = max_deliveries
+        self.claim_idle_ms = claim_idle_ms
+        self.deadletter_maxlen = deadletter_maxlen
+        self._claim_cursor = "0-0"
+
+    async def ensure_group(self) -> None:
+        """Create the group (reading from the stream's start) unless it exists."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(self, count: int, block_ms: int = 1000) -> list[Entry]:
+        """Up to `count` entries: first those of dead consumers idle past `claim_idle_ms`, then
+        new ones (blocking up to `block_ms` when there are none)."""
+        entries = await self.claim(count)
+        if len(entries) < count:
+            reply = await self.redis.xreadgroup(
+                self.group,
+                self.consumer,
+                {self.stream: ">"},
+                count=count - len(entries),
+                block=None if entries else block_ms,
+            )
+            for _stream, items in reply or []:
+                entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
+        return entries
+
+    async def claim(self, count: int) -> list[Entry]:
+        """XAUTOCLAIM entries pending on other consumers for longer than `claim_idle_ms`.
+        Entries claimed more than `max_deliveries` times are dead-lettered here, not returned."""
+        reply = await self.redis.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = _text(reply[0])
+        claimed = [(_text(eid), fields) for eid, fields in reply[1] if fields]
+        if len(reply) > 2 and reply[2]:
+            # Entries trimmed from the stream while pending: nothing left to process.
+            await self.redis.xack(self.stream, self.group, *reply[2])
+        if not claimed:
+            return []
+        counts = await self.delivery_counts([eid for eid, _ in claimed])
+        entries = []
+        for eid, fields in claimed:
+            entry = Entry(eid, fields, counts.get(eid, 1))
+            if entry.deliveries > self.max_deliveries:
+                await self.dead_letter(
+                    entry, f"delivered {entry.deliveries} times without being acknowledged"
+                )
+            else:
+                entries.append(entry)
+        return entries
+
+    async def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        """Delivery count of each pending entry (XPENDING's per-entry form)."""
+        lo, hi = min(entry_ids), max(entry_ids)
+        rows = await self.redis.xpending_range(
+            self.stream, self.group, min=lo, max=hi, count=len(entry_ids) * 4 + 16
+        )
+        return {_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    async def ack(self, *entry_ids: str) -> None:
+        if entry_ids:
+            await self.redis.xack(self.stream, self.group, *entry_ids)
+
+    async def dead_letter(self, entry: Entry, reason: str) -> None:
+        """Move an entry to the dead-letter stream with its reason, then acknowledge it, in one
+        MULTI so it is never both lost and still pending."""
+        fields = {
+            **entry.fields,
+            b"reason": reason.encode(),
+            b"source_stream": self.stream.encode(),
+            b"source_group": self.group.encode(),
+            b"source_entry": entry.entry_id.encode(),
+            b"dead_at": str(time.time()).encode(),
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(
+                self.deadletter_stream, fields, maxlen=self.deadletter_maxlen, approximate=True
+            )
+            pipe.xack(self.stream, self.group, entry.entry_id)
+            await pipe.execute()
+        log.warning(
+            "dead-lettered %s entry %s (%s): %s",
+            self.stream,
+            entry.entry_id,
+            entry.record_id or "no id",
+            reason,
+        )
+
+    async def lag(self) -> int:
+        """Entries of the stream not yet delivered to this group (Redis >= 7: the group's lag)."""
+        for group in await self.redis.xinfo_groups(self.stream):
+            if _text(group["name"]) == self.group:
+                lag = group.get("lag")
+                return int(lag) if lag is not None else 0
+        return 0
+
+
+async def trim_acknowledged(
+    redis: Redis, stream: str, keep_min_id: str | None = None, *, approximate: bool = True
+) -> int:
+    """Trim `stream` (XTRIM MINID) below the oldest entry any consumer group still needs: the
+    oldest pending entry of every group, or the entry after its last delivered one. With
+    `keep_min_id` (a retention floor such as `{ms}-0`) never trim at or above that id either.
+    Approximate trimming (the default, cheap) removes only whole radix-tree nodes, so it may keep
+    more. Returns the number of entries removed."""
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0  # no such stream
+    floor: tuple[int, int] | None = None
+    for group in groups:
+        name = _text(group["name"])
+        summary = await redis.xpending(stream, name)
+        if summary["pending"]:
+            candidate = _parse_id(_text(summary["min"]))
+        else:
+            last = _parse_id(_text(group["last-delivered-id"]))
+            candidate = (last[0], last[1] + 1)
+        floor = candidate if floor is None else min(floor, candidate)
+    if floor is None:
+        return 0  # nobody consumes it yet: keep everything
+    if keep_min_id is not None:
+        floor = min(floor, _parse_id(keep_min_id))
+    minid = f"{floor[0]}-{floor[1]}"
+    return int(await redis.xtrim(stream, minid=minid, approximate=approximate))
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -7,12 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PauseRequest(_message.Message):
-    __slots__ = ("drain_timeout_s", "reason")
+    __slots__ = ("drain_timeout_s", "reason", "lease_s", "holder")
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     drain_timeout_s: float
     reason: str
-    def __init__(self, drain_timeout_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    lease_s: float
+    holder: str
+    def __init__(self, drain_timeout_s: _Optional[float] = ..., reason: _Optional[str] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class PauseResponse(_message.Message):
     __slots__ = ("drained", "in_flight", "status")
@@ -43,17 +47,21 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("paused", "in_flight", "held", "policy_version", "paused_for_s", "gateway_id")
+    __slots__ = ("paused", "in_flight", "held", "policy_version", "paused_for_s", "gateway_id", "lease_remaining_s", "holder")
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FOR_S_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     in_flight: int
     held: int
     policy_version: int
     paused_for_s: float
     gateway_id: str
-    def __init__(self, paused: _Optional[bool] = ..., in_flight: _Optional[int] = ..., held: _Optional[int] = ..., policy_version: _Optional[int] = ..., paused_for_s: _Optional[float] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    lease_remaining_s: float
+    holder: str
+    def __init__(self, paused: _Optional[bool] = ..., in_flight: _Optional[int] = ..., held: _Optional[int] = ..., policy_version: _Optional[int] = ..., paused_for_s: _Optional[float] = ..., gateway_id: _Optional[str] = ..., lease_remaining_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...

@@ -25,6 +25,15 @@ class SampleMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAMPLE_MODE_BINARY_RL: _ClassVar[SampleMode]
     SAMPLE_MODE_OPD: _ClassVar[SampleMode]
     SAMPLE_MODE_COMBINED: _ClassVar[SampleMode]
+
+class MaskReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MASK_REASON_UNSPECIFIED: _ClassVar[MaskReason]
+    MASK_REASON_NO_NEXT_STATE: _ClassVar[MaskReason]
+    MASK_REASON_NEUTRAL_SCORE: _ClassVar[MaskReason]
+    MASK_REASON_NO_HINT: _ClassVar[MaskReason]
+    MASK_REASON_NO_SIGNAL: _ClassVar[MaskReason]
+    MASK_REASON_EMPTY_RESPONSE: _ClassVar[MaskReason]
 FINALIZE_REASON_UNSPECIFIED: FinalizeReason
 FINALIZE_REASON_NEXT_STATE: FinalizeReason
 FINALIZE_REASON_SESSION_DONE: FinalizeReason
@@ -34,9 +43,15 @@ SAMPLE_MODE_UNSPECIFIED: SampleMode
 SAMPLE_MODE_BINARY_RL: SampleMode
 SAMPLE_MODE_OPD: SampleMode
 SAMPLE_MODE_COMBINED: SampleMode
+MASK_REASON_UNSPECIFIED: MaskReason
+MASK_REASON_NO_NEXT_STATE: MaskReason
+MASK_REASON_NEUTRAL_SCORE: MaskReason
+MASK_REASON_NO_HINT: MaskReason
+MASK_REASON_NO_SIGNAL: MaskReason
+MASK_REASON_EMPTY_RESPONSE: MaskReason
 
 class Turn(_message.Message):
-    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id", "temperature", "top_p")
+    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id", "temperature", "top_p", "next_state_messages_json", "weight_version", "request_id")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +73,9 @@ class Turn(_message.Message):
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STATE_MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     session_id: str
     turn_index: int
@@ -79,10 +97,13 @@ class Turn(_message.Message):
     gateway_id: str
     temperature: float
     top_p: float
-    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
+    next_state_messages_json: _containers.RepeatedScalarFieldContainer[str]
+    weight_version: str
+    request_id: str
+    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., next_state_messages_json: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "session_id", "turn_index", "policy_version", "mode", "prompt_ids", "response_ids", "old_logprobs", "reward", "votes", "hint", "teacher_logprobs", "loss_mask", "created_at")
+    __slots__ = ("sample_id", "session_id", "turn_index", "policy_version", "mode", "prompt_ids", "response_ids", "old_logprobs", "reward", "votes", "hint", "teacher_logprobs", "loss_mask", "created_at", "has_teacher", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logprobs", "weight_version", "temperature", "top_p", "mask_reason", "reward_source", "promoted", "model", "turn_finalized_at")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +118,18 @@ class Sample(_message.Message):
     TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    HAS_TEACHER_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MASK_REASON_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TURN_FINALIZED_AT_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     session_id: str
     turn_index: int
@@ -111,4 +144,16 @@ class Sample(_message.Message):
     teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, sample_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., mode: _Optional[_Union[SampleMode, str]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., votes: _Optional[_Iterable[int]] = ..., hint: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    has_teacher: bool
+    teacher_top_k: int
+    teacher_topk_ids: _containers.RepeatedScalarFieldContainer[int]
+    teacher_topk_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: str
+    temperature: float
+    top_p: float
+    mask_reason: MaskReason
+    reward_source: str
+    promoted: bool
+    model: str
+    turn_finalized_at: _timestamp_pb2.Timestamp
+    def __init__(self, sample_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., mode: _Optional[_Union[SampleMode, str]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., votes: _Optional[_Iterable[int]] = ..., hint: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., has_teacher: _Optional[bool] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., mask_reason: _Optional[_Union[MaskReason, str]] = ..., reward_source: _Optional[str] = ..., promoted: _Optional[bool] = ..., model: _Optional[str] = ..., turn_finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,59 @@
+"""Policy versions: the trainer announces "version N is ready at PATH" on the versions stream;
+the weight-sync job consumes the announcements and loads the newest into the policy engines.
+
+An announcement is a stream entry `{version, path, step, created_at}`; the stream is the
+contract between the two, so both sides build and read entries here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+
+@dataclass(frozen=True)
+class VersionReady:
+    """A policy checkpoint that the policy engines can load (`/update_weights_from_disk`)."""
+
+    version: int
+    path: str  # HF safetensors directory, as the engines see it (shared volume)
+    step: int
+    created_at: float
+
+    def fields(self) -> dict[str, str]:
+        return {
+            "version": str(self.version),
+            "path": self.path,
+            "step": str(self.step),
+            "created_at": repr(self.created_at),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> VersionReady:
+        """Parse an entry; ValueError when a field is missing or malformed."""
+        text = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()
+        }
+        try:
+            return cls(
+                version=int(text["version"]),
+                path=text["path"],
+                step=int(text.get("step", "0")),
+                created_at=float(text.get("created_at", "0")),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"malformed version announcement {text!r}: {exc}") from exc
+
+
+async def announce(redis: Redis, stream: str, ready: VersionReady, maxlen: int = 1000) -> str:
+    """XADD the announcement; returns the entry id."""
+    entry_id = await redis.xadd(stream, ready.fields(), maxlen=maxlen, approximate=True)
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+async def latest(redis: Redis, stream: str) -> VersionReady | None:
+    """The newest announcement on the stream, None when there is none."""
+    entries = await redis.xrevrange(stream, count=1)
+    return VersionReady.from_fields(entries[0][1]) if entries else None

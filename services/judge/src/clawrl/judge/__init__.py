@@ -1,0 +1,1 @@
+"""clawrl.judge: turns finished turns into scored training samples."""

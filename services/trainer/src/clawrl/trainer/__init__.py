@@ -1,0 +1,1 @@
+"""clawrl.trainer: PPO-style steps on scored samples, checkpoints and the weight-sync job."""

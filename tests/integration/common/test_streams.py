@@ -1,0 +1,136 @@
+"""The consumer-group layer every stream consumer uses, against a real Redis: at-least-once
+delivery, takeover of a dead consumer's entries, dead-lettering, and trimming only what every
+group has acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from redis.asyncio import Redis
+
+from clawrl.common.records import Turn
+from clawrl.common.streams import GroupConsumer, publish, trim_acknowledged
+from clawrl.common.versions import VersionReady, announce, latest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def consumer(redis: Redis, stream: str, name: str, **kwargs) -> GroupConsumer:
+    return GroupConsumer(
+        redis,
+        stream=stream,
+        group="g",
+        consumer=name,
+        deadletter_stream=f"{stream}:dead",
+        **kwargs,
+    )
+
+
+async def fill(redis: Redis, stream: str, n: int) -> None:
+    for i in range(n):
+        await publish(redis, stream, Turn(turn_id=f"s:{i}", session_id="s", turn_index=i), 1000)
+
+
+async def test_new_entries_are_delivered_once_and_acknowledged(redis: Redis):
+    stream = f"t:{uuid.uuid4().hex}"
+    a = consumer(redis, stream, "a")
+    await a.ensure_group()
+    await a.ensure_group()  # idempotent
+    await fill(redis, stream, 3)
+    entries = await a.read(10, block_ms=10)
+    assert [e.record_id for e in entries] == ["s:0", "s:1", "s:2"]
+    assert await a.read(10, block_ms=10) == []
+    await a.ack(*(e.entry_id for e in entries))
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+
+
+async def test_a_dead_consumers_entries_are_claimed_by_a_live_one(redis: Redis):
+    stream = f"t:{uuid.uuid4().hex}"
+    dead = consumer(redis, stream, "dead", claim_idle_ms=50)
+    live = consumer(redis, stream, "live", claim_idle_ms=50)
+    await dead.ensure_group()
+    await fill(redis, stream, 2)
+    assert len(await dead.read(10, block_ms=10)) == 2  # and never acknowledged
+    assert await live.read(10, block_ms=10) == []  # not idle long enough yet
+    await asyncio.sleep(0.1)
+    taken = await live.read(10, block_ms=10)
+    assert [e.record_id for e in taken] == ["s:0", "s:1"]
+    assert all(e.deliveries == 2 for e in taken)
+
+
+async def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis: Redis):
+    stream = f"t:{uuid.uuid4().hex}"
+    workers = [
+        consumer(redis, stream, f"w{i}", claim_idle_ms=1, max_deliveries=2) for i in range(3)
+    ]
+    await workers[0].ensure_group()
+    await fill(redis, stream, 1)
+    assert len(await workers[0].read(1, block_ms=10)) == 1
+    await asyncio.sleep(0.01)
+    assert len(await workers[1].read(1, block_ms=10)) == 1  # second delivery
+    await asyncio.sleep(0.01)
+    assert await workers[2].read(1, block_ms=10) == []  # third: dead-lettered instead
+    dead = await redis.xrange(f"{stream}:dead")
+    assert len(dead) == 1
+    assert dead[0][1][b"id"] == b"s:0"
+    assert b"delivered 3 times" in dead[0][1][b"reason"]
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+
+
+async def test_dead_letter_keeps_the_record_and_the_reason(redis: Redis):
+    stream = f"t:{uuid.uuid4().hex}"
+    c = consumer(redis, stream, "a")
+    await c.ensure_group()
+    await fill(redis, stream, 1)
+    [entry] = await c.read(1, block_ms=10)
+    await c.dead_letter(entry, "malformed: no response ids")
+    [(_, fields)] = await redis.xrange(f"{stream}:dead")
+    assert fields[b"reason"] == b"malformed: no response ids"
+    assert fields[b"data"] == entry.fields[b"data"]
+    assert fields[b"source_entry"] == entry.entry_id.encode()
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+
+
+async def test_trimming_keeps_what_any_group_still_needs(redis: Redis):
+    stream = f"t:{uuid.uuid4().hex}"
+    fast = GroupConsumer(redis, stream=stream, group="fast", consumer="f",
+                         deadletter_stream=f"{stream}:dead")  # fmt: skip
+    slow = GroupConsumer(redis, stream=stream, group="slow", consumer="s",
+                         deadletter_stream=f"{stream}:dead")  # fmt: skip
+    await fast.ensure_group()
+    await slow.ensure_group()
+    await fill(redis, stream, 6)
+    done = await fast.read(6, block_ms=10)
+    await fast.ack(*(e.entry_id for e in done))
+    slow_entries = await slow.read(2, block_ms=10)  # pending, not acknowledged
+    assert await trim_acknowledged(redis, stream, approximate=False) == 0
+    assert await redis.xlen(stream) == 6
+    await slow.ack(slow_entries[0].entry_id)
+    assert await trim_acknowledged(redis, stream, approximate=False) == 1
+    remaining = [fields[b"id"] for _, fields in await redis.xrange(stream)]
+    assert remaining == [b"s:1", b"s:2", b"s:3", b"s:4", b"s:5"]
+    await slow.ack(slow_entries[1].entry_id)
+    # A retention floor keeps entries at or above it even when every group is done with them.
+    floor = (await redis.xrange(stream))[2][0].decode()  # s:3
+    assert await trim_acknowledged(redis, stream, floor, approximate=False) == 1
+    assert await redis.xlen(stream) == 4
+    assert await trim_acknowledged(redis, stream, approximate=False) == 0  # s:2.. still unread
+
+
+async def test_version_announcements_round_trip(redis: Redis):
+    stream = f"v:{uuid.uuid4().hex}"
+    assert await latest(redis, stream) is None
+    await announce(redis, stream, VersionReady(1, "/ckpt/policy/v1", 4, 1.5))
+    await announce(redis, stream, VersionReady(2, "/ckpt/policy/v2", 8, 2.5))
+    assert await latest(redis, stream) == VersionReady(2, "/ckpt/policy/v2", 8, 2.5)
+    with pytest.raises(ValueError, match="malformed"):
+        VersionReady.from_fields({b"path": b"/x"})
