@@ -78,3 +78,53 @@ async def test_failed_weight_update_is_returned_not_raised() -> None:
         result = await client.update_weights_from_disk("/nope", weight_version="3")
         await client.aclose()
     assert result == {"success": False, "message": "no such dir"}
+
+
+async def test_stream_events_of_any_length_are_read_whole() -> None:
+    """A cumulative event of ~20k tokens is one line of several hundred KB."""
+    long_ids = list(range(20_000))
+    events = [{"text": "x" * 300_000, "output_ids": long_ids}, {"text": "end"}]
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        return await sse(request, events)
+
+    async with scripted_engine({"/generate": stream}) as url:
+        client = SGLangClient(url)
+        got = [event async for event in client.generate_stream({"text": "x"})]
+        await client.aclose()
+    assert got == events
+
+
+async def test_a_stream_cut_before_done_is_unavailable() -> None:
+    async def truncated(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"text": "a"}\n\n')
+        await response.write_eof()
+        return response
+
+    async with scripted_engine({"/generate": truncated}) as url:
+        client = SGLangClient(url)
+        got = []
+        with pytest.raises(EngineUnavailable, match="without \\[DONE\\]"):
+            async for event in client.generate_stream({"text": "x"}):
+                got.append(event)
+        await client.aclose()
+    assert got == [{"text": "a"}]
+
+
+async def test_unexpected_client_failures_are_mapped_and_logged(caplog) -> None:
+    async def never(request: web.Request) -> web.Response:
+        raise AssertionError("not reached")
+
+    async with scripted_engine({"/generate": never}) as url:
+        client = SGLangClient(url)
+        unserialisable = {"input_ids": [object()]}
+        with pytest.raises(EngineUnavailable, match="failed"):
+            await client.generate(unserialisable)
+        with pytest.raises(EngineUnavailable, match="failed"):
+            async for _ in client.generate_stream(unserialisable):
+                pass
+        await client.aclose()
+    logged = [r for r in caplog.records if r.name == "clawrl.common.sglang_client"]
+    assert len(logged) == 2 and all(r.exc_info for r in logged)

@@ -1,9 +1,11 @@
 """The SGLang command built from clawrl settings (flag names are SGLang's ServerArgs)."""
 
+import pytest
+
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.launcher import build_argv, build_env
 from clawrl.engine.main import load_settings, parse_args
-from clawrl.engine.settings import EngineSettings, ServingSettings, SGLangSettings
+from clawrl.engine.settings import EngineServerSettings, EngineSettings, SGLangSettings
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -13,7 +15,7 @@ def flag(argv: list[str], name: str) -> str:
 def test_minimal_command():
     settings = EngineSettings(
         model=ModelSettings(path="Qwen/Qwen3-4B"),
-        engine=ServingSettings(host="0.0.0.0", port=30000),
+        engine=EngineServerSettings(host="0.0.0.0", port=30000),
     )
     argv = build_argv(settings)
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
@@ -32,7 +34,7 @@ def test_minimal_command():
 def test_every_setting_reaches_its_flag():
     settings = EngineSettings(
         model=ModelSettings(path="/models/policy", served_name="policy", context_length=4096),
-        engine=ServingSettings(port=30001, weight_version="3"),
+        engine=EngineServerSettings(port=30001, weight_version="3"),
         sglang=SGLangSettings(
             tp_size=2,
             dp_size=2,
@@ -87,3 +89,48 @@ def test_sglang_reports_raw_logprobs_like_the_cpu_engine():
     assert env == {"PATH": "/usr/bin", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
     off = EngineSettings(sglang=SGLangSettings(return_original_logprob=False))
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in build_env(off, {})
+
+
+def test_scheduler_flags_reach_sglang_under_backend_sglang(monkeypatch):
+    """Flags are routed to the section the chosen backend reads, never dropped."""
+    monkeypatch.delenv("CLAWRL_ENGINE__BACKEND", raising=False)
+    args = [
+        "--backend", "sglang", "--max-running-requests", "48", "--max-queued-requests", "9",
+        "--max-total-tokens", "100000", "--chunked-prefill-size", "4096",
+        "--max-prefill-tokens", "16384", "--context-length", "32768",
+        "--incremental-streaming-output", "--random-seed", "5", "--tp-size", "2",
+    ]  # fmt: skip
+    settings = load_settings(parse_args(args))
+    argv = build_argv(settings, model="/m")
+    assert flag(argv, "--max-running-requests") == "48"
+    assert flag(argv, "--max-queued-requests") == "9"
+    assert flag(argv, "--max-total-tokens") == "100000"
+    assert flag(argv, "--chunked-prefill-size") == "4096"
+    assert flag(argv, "--max-prefill-tokens") == "16384"
+    assert flag(argv, "--context-length") == "32768"
+    assert flag(argv, "--random-seed") == "5"
+    assert flag(argv, "--tp-size") == "2"
+    assert "--incremental-streaming-output" in argv
+    # The CPU scheduler's section is left as it was.
+    assert settings.engine.max_running_requests == EngineServerSettings().max_running_requests
+
+
+def test_the_same_flags_set_the_cpu_scheduler_under_backend_cpu():
+    settings = load_settings(
+        parse_args(
+            ["--backend", "cpu", "--max-running-requests", "3", "--chunked-prefill-size", "64",
+             "--incremental-streaming-output", "--torch-threads", "1"]
+        )
+    )  # fmt: skip
+    assert settings.engine.max_running_requests == 3
+    assert settings.engine.chunked_prefill_size == 64
+    assert settings.engine.incremental_streaming_output is True
+    assert settings.engine.torch_threads == 1
+    assert settings.sglang.max_running_requests is None
+
+
+def test_a_flag_the_backend_cannot_use_is_an_error():
+    with pytest.raises(SystemExit, match="--torch-threads has no effect with --backend sglang"):
+        load_settings(parse_args(["--backend", "sglang", "--torch-threads", "2"]))
+    with pytest.raises(SystemExit, match="--tp-size has no effect with --backend cpu"):
+        load_settings(parse_args(["--backend", "cpu", "--tp-size", "2"]))

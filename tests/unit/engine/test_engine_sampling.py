@@ -4,12 +4,8 @@ import math
 
 import torch
 
-from clawrl.engine.cpu.sampling import (
-    SamplingRow,
-    filter_logits,
-    sample_next_tokens,
-    token_logprobs,
-)
+from clawrl.engine.cpu.sampling import filter_logits, sample_next_tokens, token_logprobs
+from clawrl.engine.generation import SamplingRow
 
 # probabilities 0.5, 0.25, 0.125, 0.125 at temperature 1
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))

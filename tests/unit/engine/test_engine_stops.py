@@ -1,6 +1,7 @@
 """Finish reasons, SGLang-shaped."""
 
-from clawrl.engine.cpu.stops import StopCriteria, find_stop_string, token_finish
+from clawrl.engine.cpu.stops import find_stop_string, token_finish
+from clawrl.engine.generation import StopCriteria
 
 
 def test_length_is_checked_first():

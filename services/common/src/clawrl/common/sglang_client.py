@@ -12,13 +12,19 @@ place: `EngineUnavailable` (cannot connect, timed out, 5xx, garbled reply) and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 
+log = logging.getLogger(__name__)
+
 JSON_HEADERS = {"Content-Type": "application/json"}
+# Socket reads of a stream: events of any length are reassembled from them (aiohttp's own line
+# iterator refuses lines over 128 KiB, which a cumulative event passes at ~14k tokens).
+STREAM_READ_BYTES = 1 << 16
 
 
 class EngineError(Exception):
@@ -122,8 +128,8 @@ class SGLangClient:
         self, method: str, path: str, payload: dict[str, Any] | None = None
     ) -> tuple[int, bytes]:
         """One request; (status, body). Transport failures become EngineUnavailable."""
-        data = orjson.dumps(payload) if payload is not None else None
         try:
+            data = orjson.dumps(payload) if payload is not None else None
             async with self._session.request(
                 method,
                 self.base_url + path,
@@ -136,6 +142,9 @@ class SGLangClient:
             raise EngineUnavailable(f"engine timed out on {path}") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"engine unreachable at {self.base_url}: {exc}") from exc
+        except Exception as exc:  # anything else is a client bug: keep its cause in the log
+            log.exception("engine call %s %s failed", method, path)
+            raise EngineUnavailable(f"engine call {path} failed: {exc!r}") from exc
 
     async def _json(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         status, body = await self._call(method, path, payload)
@@ -150,9 +159,11 @@ class SGLangClient:
         return await self._json("POST", "/generate", {**payload, "stream": False})
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """POST /generate with stream: yields each `data:` event until `[DONE]`."""
-        data = orjson.dumps({**payload, "stream": True})
+        """POST /generate with stream: yields each `data:` event until `[DONE]`. Events are
+        yielded as the engine sent them (cumulative or incremental: SGLang's
+        `--incremental-streaming-output`), whatever their length."""
         try:
+            data = orjson.dumps({**payload, "stream": True})
             async with self._session.post(
                 self.base_url + "/generate",
                 data=data,
@@ -161,7 +172,7 @@ class SGLangClient:
             ) as response:
                 if response.status >= 400:
                     raise_for_status(response.status, await response.read(), "/generate")
-                async for line in response.content:
+                async for line in stream_lines(response.content):
                     if not line.startswith(b"data:"):
                         continue
                     event = line[5:].strip()
@@ -171,12 +182,18 @@ class SGLangClient:
                     if isinstance(decoded, dict) and "error" in decoded:
                         raise EngineRequestError(error_message(event), status_code=400)
                     yield decoded
+            raise EngineUnavailable("engine stream ended without [DONE]", 502)
+        except EngineError:
+            raise
         except TimeoutError as exc:
             raise EngineUnavailable("engine timed out while streaming /generate") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"engine stream broke: {exc}") from exc
         except orjson.JSONDecodeError as exc:
             raise EngineUnavailable("engine sent an invalid stream event", 502) from exc
+        except Exception as exc:  # a client bug: keep its cause in the log
+            log.exception("streaming /generate failed")
+            raise EngineUnavailable(f"streaming /generate failed: {exc!r}") from exc
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
@@ -215,3 +232,17 @@ class SGLangClient:
 
     async def flush_cache(self) -> None:
         await self._json("POST", "/flush_cache")
+
+
+async def stream_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a response body (without their newline), however long each is."""
+    pending = bytearray()
+    async for chunk in content.iter_chunked(STREAM_READ_BYTES):
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield bytes(pending[start:end])
+            start = end + 1
+        del pending[:start]
+    if pending:
+        yield bytes(pending)

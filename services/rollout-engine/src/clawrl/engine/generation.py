@@ -6,11 +6,54 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-
-from clawrl.engine.cpu.sampling import SamplingRow
-from clawrl.engine.cpu.stops import FinishReason, StopCriteria
+from typing import Any
 
 TopLogprobs = list[tuple[float, int]]
+
+# Below this temperature a request is greedy (SGLang uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence's sampling knobs (top_k <= 0 disables top-k)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+# SGLang's finish reasons: `{"type": "length", "length": N}`,
+# `{"type": "stop", "matched": token_id | "stop string"}`, `{"type": "abort", "message": ...}`.
+FinishReason = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    """What ends one sequence."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+
+def length_reason(length: int) -> FinishReason:
+    return {"type": "length", "length": length}
+
+
+def abort_reason(message: str) -> FinishReason:
+    return {"type": "abort", "message": message}
 
 
 @dataclass(frozen=True)

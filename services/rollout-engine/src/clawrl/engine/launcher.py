@@ -13,6 +13,15 @@ from pathlib import Path
 from clawrl.common.models import ModelNotFoundError, resolve_model_dir, served_model_name
 from clawrl.engine.settings import EngineSettings
 
+# [sglang] fields passed as `--flag value` when set (None: SGLang decides).
+SCHEDULER_FLAGS = (
+    "max_running_requests",
+    "max_queued_requests",
+    "max_total_tokens",
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+)
+
 
 def model_path(settings: EngineSettings) -> str:
     """A prepared/local model directory when there is one, else the name as given (SGLang
@@ -45,8 +54,12 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
         argv += ["--context-length", str(context_length)]
     if sg.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(sg.mem_fraction_static)]
-    if sg.max_running_requests is not None:
-        argv += ["--max-running-requests", str(sg.max_running_requests)]
+    for name in SCHEDULER_FLAGS:
+        value = getattr(sg, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    if sg.incremental_streaming_output:
+        argv.append("--incremental-streaming-output")
     if settings.model.chat_template is not None:
         argv += ["--chat-template", str(Path(settings.model.chat_template))]
     if sg.tool_call_parser:

@@ -5,44 +5,94 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 from clawrl.common.logs import configure_logging
 from clawrl.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
+Target = tuple[str, str]  # (settings section, field)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag and, per backend, the setting it sets (None: not used there)."""
+
+    name: str
+    help: str
+    cpu: Target | None
+    sglang: Target | None
+    type: type = str
+    switch: bool = False
+
+
+def everywhere(section: str, field: str) -> dict[str, Target]:
+    """A setting both backends read from the same place."""
+    return {"cpu": (section, field), "sglang": (section, field)}
+
+
+def scheduler(field: str) -> dict[str, Target]:
+    """A scheduler knob: `[engine]` for the CPU engine, `[sglang]` for SGLang's launcher."""
+    return {"cpu": ("engine", field), "sglang": ("sglang", field)}
+
+
+FLAGS = (
+    Flag("--host", "bind address", **everywhere("engine", "host")),
+    Flag("--port", "port", **everywhere("engine", "port"), type=int),
+    Flag("--model", "model directory or prepared model name", **everywhere("model", "path")),
+    Flag("--weight-version", "initial weight version", **everywhere("engine", "weight_version")),
+    Flag("--context-length", "context window (beyond the model's: RoPE scaling)",
+         **everywhere("model", "context_length"), type=int),
+    Flag("--max-running-requests", "batch size cap", **scheduler("max_running_requests"), type=int),
+    Flag("--max-queued-requests", "queue cap", **scheduler("max_queued_requests"), type=int),
+    Flag("--max-total-tokens", "KV budget", **scheduler("max_total_tokens"), type=int),
+    Flag("--max-prefill-tokens", "prefill token budget per round",
+         **scheduler("max_prefill_tokens"), type=int),
+    Flag("--chunked-prefill-size", "most prompt tokens per prefill forward pass",
+         **scheduler("chunked_prefill_size"), type=int),
+    Flag("--random-seed", "sampler seed", **scheduler("random_seed"), type=int),
+    Flag("--incremental-streaming-output", "stream events carry only what is new",
+         **scheduler("incremental_streaming_output"), switch=True),
+    Flag("--torch-threads", "torch intra-op threads", cpu=("engine", "torch_threads"),
+         sglang=None, type=int),
+    Flag("--tp-size", "tensor-parallel size", cpu=None, sglang=("sglang", "tp_size"), type=int),
+)  # fmt: skip
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="clawrl rollout engine (SGLang HTTP API)")
-    parser.add_argument("--host", help="bind address (engine.host)")
-    parser.add_argument("--port", type=int, help="port (engine.port)")
-    parser.add_argument("--model", help="model directory or prepared model name (model.path)")
     parser.add_argument("--backend", choices=["cpu", "sglang"], help="engine.backend")
-    parser.add_argument("--weight-version", help="initial weight version (engine.weight_version)")
-    parser.add_argument(
-        "--max-running-requests", type=int, help="batch size cap (engine.max_running_requests)"
-    )
-    parser.add_argument(
-        "--max-queued-requests", type=int, help="waiting-queue cap (engine.max_queued_requests)"
-    )
+    for flag in FLAGS:
+        where = ", ".join(
+            f"{backend}: {target[0]}.{target[1]}"
+            for backend, target in (("cpu", flag.cpu), ("sglang", flag.sglang))
+            if target is not None
+        )
+        if flag.switch:
+            parser.add_argument(
+                flag.name, action="store_true", default=None, help=f"{flag.help} ({where})"
+            )
+        else:
+            parser.add_argument(flag.name, type=flag.type, help=f"{flag.help} ({where})")
     return parser.parse_args(argv)
 
 
 def load_settings(args: argparse.Namespace) -> EngineSettings:
-    """Settings from env/TOML, with the CLI flags given on top."""
-    return EngineSettings().with_overrides(
-        {
-            "engine": {
-                "host": args.host,
-                "port": args.port,
-                "backend": args.backend,
-                "weight_version": args.weight_version,
-                "max_running_requests": args.max_running_requests,
-                "max_queued_requests": args.max_queued_requests,
-            },
-            "model": {"path": args.model},
-        }
-    )
+    """Settings from env/TOML, with the CLI flags given on top, each routed to the section the
+    chosen backend reads it from. A flag the backend has no use for is an error, not ignored."""
+    base = EngineSettings()
+    backend = args.backend or base.engine.backend
+    overrides: dict[str, dict] = {"engine": {"backend": args.backend}}
+    for flag in FLAGS:
+        value = getattr(args, flag.name[2:].replace("-", "_"))
+        if value is None:
+            continue
+        target = flag.cpu if backend == "cpu" else flag.sglang
+        if target is None:
+            raise SystemExit(f"clawrl-engine: {flag.name} has no effect with --backend {backend}")
+        overrides.setdefault(target[0], {})[target[1]] = value
+    return base.with_overrides(overrides)
 
 
 def main(argv: list[str] | None = None) -> None:

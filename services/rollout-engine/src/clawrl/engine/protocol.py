@@ -12,9 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from clawrl.engine.cpu.sampling import SamplingRow
-from clawrl.engine.cpu.stops import StopCriteria
-from clawrl.engine.generation import GenerationRequest
+from clawrl.engine.generation import GenerationRequest, SamplingRow, StopCriteria
 
 
 class RequestError(ValueError):

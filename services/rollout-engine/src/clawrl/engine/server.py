@@ -20,10 +20,13 @@ from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import exposition
 from clawrl.common.models import served_model_name
 from clawrl.engine.cpu.engine import CpuEngine
-from clawrl.engine.cpu.sampling import SamplingRow
 from clawrl.engine.cpu.scheduler import QueueFullError
-from clawrl.engine.cpu.stops import StopCriteria
-from clawrl.engine.generation import GenerationRequest, GenerationState
+from clawrl.engine.generation import (
+    GenerationRequest,
+    GenerationState,
+    SamplingRow,
+    StopCriteria,
+)
 from clawrl.engine.metrics import EngineMetrics
 from clawrl.engine.openai_api import build_router, error_response
 from clawrl.engine.protocol import (

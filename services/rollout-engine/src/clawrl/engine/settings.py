@@ -10,8 +10,10 @@ from pydantic import Field
 from clawrl.common.settings import ClawrlSettings, ModelSettings, Section
 
 
-class ServingSettings(Section):
-    """The HTTP server and the CPU engine's scheduler (section `[engine]`)."""
+class EngineServerSettings(Section):
+    """The engine's HTTP server and the CPU engine's scheduler (section `[engine]`). With
+    backend `sglang` only host, port, backend and weight_version are used; SGLang's own
+    scheduler is configured in `[sglang]`."""
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30010, gt=0, lt=65536, description="Port the HTTP server listens on.")
@@ -34,15 +36,29 @@ class ServingSettings(Section):
     max_prefill_tokens: int = Field(
         8192,
         gt=0,
-        description="Most (padded) tokens prefilled in one forward pass; more waiting prompts "
-        "are prefilled in later passes. A single longer prompt is still prefilled alone.",
+        description="Most prompt tokens admitted into prefill in one scheduling round.",
+    )
+    chunked_prefill_size: int = Field(
+        1024,
+        gt=0,
+        description="Most prompt tokens prefilled in one forward pass; a longer prompt is "
+        "prefilled in chunks with a decode step of the running batch after each, so it does "
+        "not stall other streams (SGLang: 2048-8192 on GPUs; smaller on CPU, where a chunk of "
+        "1024 tokens of SmolLM2-135M takes ~0.3 s).",
     )
     max_total_tokens: int = Field(
         65536,
         gt=0,
-        description="KV-cache budget in tokens (prompt + max_new_tokens of running requests); "
-        "a request waits while admitting it would exceed it. Also the denominator of "
-        "sglang:token_usage.",
+        description="KV-cache budget in tokens held by running requests. A request is admitted "
+        "while the tokens in use plus its prompt fit; when decoding outgrows the budget the "
+        "newest request is retracted and re-prefilled later (as SGLang does). Also the "
+        "denominator of sglang:token_usage.",
+    )
+    incremental_streaming_output: bool = Field(
+        False,
+        description="Stream events carry only what is new since the previous event (text, "
+        "output_ids, log-probs) instead of everything so far (SGLang's "
+        "--incremental-streaming-output). Cumulative events cost O(n^2) for long outputs.",
     )
     default_max_new_tokens: int = Field(
         128,
@@ -76,6 +92,21 @@ class SGLangSettings(Section):
     max_running_requests: int | None = Field(
         None, gt=0, description="SGLang's cap on concurrently running requests (None: SGLang's)."
     )
+    max_queued_requests: int | None = Field(
+        None, gt=0, description="SGLang's cap on waiting requests (None: SGLang's, unbounded)."
+    )
+    max_total_tokens: int | None = Field(
+        None, gt=0, description="SGLang's KV-pool size in tokens (None: sized from GPU memory)."
+    )
+    max_prefill_tokens: int | None = Field(
+        None, gt=0, description="SGLang's prefill token budget per batch (None: SGLang's)."
+    )
+    chunked_prefill_size: int | None = Field(
+        None, description="SGLang's prefill chunk size; -1 disables chunking (None: SGLang's)."
+    )
+    incremental_streaming_output: bool = Field(
+        False, description="SGLang's --incremental-streaming-output (events carry only news)."
+    )
     dtype: str = Field("auto", description="Weights dtype (`auto`, `bfloat16`, `float16`, ...).")
     enable_metrics: bool = Field(True, description="Expose Prometheus metrics at /metrics.")
     tool_call_parser: str | None = Field(
@@ -103,5 +134,5 @@ class EngineSettings(ClawrlSettings):
     """Everything `clawrl-engine` needs, built once at start and passed down."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
-    engine: ServingSettings = Field(default_factory=ServingSettings)
+    engine: EngineServerSettings = Field(default_factory=EngineServerSettings)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)

@@ -13,30 +13,9 @@ likely token is always kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-# Below this temperature a request is greedy (SGLang uses the same cut-off).
-GREEDY_TEMPERATURE = 1e-6
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """One sequence's sampling knobs (top_k <= 0 disables top-k)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
-
-    @property
-    def needs_filter(self) -> bool:
-        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+from clawrl.engine.generation import GREEDY_TEMPERATURE, SamplingRow
 
 
 def filter_logits(

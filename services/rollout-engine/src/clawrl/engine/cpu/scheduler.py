@@ -25,10 +25,15 @@ import torch
 
 from clawrl.engine.cpu.runner import KvBatch, ModelRunner, merge_kv, select_kv
 from clawrl.engine.cpu.sampling import sample_next_tokens, token_logprobs
-from clawrl.engine.cpu.stops import abort_reason, find_stop_string, length_reason, token_finish
-from clawrl.engine.generation import GenerationRequest, GenerationUpdate
+from clawrl.engine.cpu.stops import find_stop_string, token_finish
+from clawrl.engine.generation import (
+    GenerationRequest,
+    GenerationUpdate,
+    abort_reason,
+    length_reason,
+)
 from clawrl.engine.metrics import EngineMetrics
-from clawrl.engine.settings import ServingSettings
+from clawrl.engine.settings import EngineServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +76,7 @@ class Scheduler:
     def __init__(
         self,
         runner: ModelRunner,
-        settings: ServingSettings,
+        settings: EngineServerSettings,
         metrics: EngineMetrics,
         decode_text: Decode,
     ):

@@ -1,32 +1,9 @@
-"""When a sequence is finished, with SGLang's finish reasons:
-`{"type": "length", "length": N}`, `{"type": "stop", "matched": token_id | "stop string"}`,
-`{"type": "abort", "message": ...}`. Pure functions of the ids and text produced so far."""
+"""When a sequence is finished (SGLang's finish reasons, see clawrl.engine.generation): pure
+functions of the ids and text produced so far."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-FinishReason = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class StopCriteria:
-    """What ends one sequence."""
-
-    max_new_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    eos_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    stop_strings: tuple[str, ...] = ()
-
-
-def length_reason(length: int) -> FinishReason:
-    return {"type": "length", "length": length}
-
-
-def abort_reason(message: str) -> FinishReason:
-    return {"type": "abort", "message": message}
+from clawrl.engine.generation import FinishReason, StopCriteria, length_reason
 
 
 def token_finish(criteria: StopCriteria, output_ids: list[int]) -> FinishReason | None:
