@@ -156,3 +156,47 @@ def test_api_keys(secured):
     assert reply.choices[0].message.role == "assistant"
     # Probes stay open.
     assert httpx.get(f"{secured.url}/healthz", timeout=TIMEOUT).status_code == 200
+
+
+def test_pause_lease_expires_renews_and_refuses_another_holder(gateway):
+    channel, control = stub(gateway)
+    with channel:
+        try:
+            expiries = gateway.metric("clawrl_gateway_pause_lease_expiries_total")
+            version = control.GetStatus(control_pb2.GetStatusRequest()).policy_version
+            paused = control.Pause(control_pb2.PauseRequest(lease_s=1.0, holder="sync-1"))
+            assert paused.status.paused and paused.status.holder == "sync-1"
+            assert 0 < paused.status.lease_remaining_s <= 1.0
+            with pytest.raises(grpc.RpcError) as info:
+                control.Pause(control_pb2.PauseRequest(lease_s=5, holder="sync-2"))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "sync-1" in info.value.details()
+            with pytest.raises(grpc.RpcError) as info:
+                control.Pause(control_pb2.PauseRequest(lease_s=-1, holder="sync-1"))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # The holder renews twice, past the first lease's end: still paused.
+            for _ in range(2):
+                time.sleep(0.6)
+                renewed = control.Pause(control_pb2.PauseRequest(lease_s=1.0, holder="sync-1"))
+                assert renewed.status.paused and renewed.status.paused_for_s > 0.5
+            # A request arrives, then the holder goes silent: the lease ends the pause and the
+            # request is served on the version from before.
+            held_call, held_result = in_background(
+                lambda: gateway.chat([user("held")], headers={"X-Turn-Type": "side"})
+            )
+            wait_for(lambda: control.GetStatus(control_pb2.GetStatusRequest()).held == 1)
+            wait_for(lambda: not control.GetStatus(control_pb2.GetStatusRequest()).paused, 5)
+            held_call.join(timeout=30)
+            assert held_result["value"].status_code == 200
+            status = control.GetStatus(control_pb2.GetStatusRequest())
+            assert (status.holder, status.lease_remaining_s, status.policy_version) == (
+                "",
+                0,
+                version,
+            )
+            assert gateway.metric("clawrl_gateway_pause_lease_expiries_total") == expiries + 1
+            # Resume after the expiry is a harmless no-op.
+            again = control.Resume(control_pb2.ResumeRequest())
+            assert again.released == 0 and not again.status.paused
+        finally:
+            control.Resume(control_pb2.ResumeRequest())

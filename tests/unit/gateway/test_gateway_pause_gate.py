@@ -4,9 +4,13 @@ import asyncio
 
 import pytest
 
-from clawrl.gateway.control import PauseGate
+from clawrl.gateway.control import PauseGate, PauseHeld
 from clawrl.gateway.errors import Overloaded
 from clawrl.gateway.metrics import GatewayMetrics
+
+
+def metric(gate, name):
+    return gate.metrics.registry.get_sample_value(name)
 
 
 def make_gate(hold_timeout_s=5.0):
@@ -66,3 +70,61 @@ async def test_hold_timeout_is_overloaded_with_retry_after():
         async with gate.admit():
             pass
     assert info.value.retry_after_s == 2 and gate.held == 0 and gate.in_flight == 0
+
+
+async def test_lease_expiry_resumes_on_the_current_version_and_is_counted():
+    gate = make_gate()
+    gate.set_policy_version(4)
+    assert await gate.pause(1, lease_s=0.1, holder="sync-a") is True
+    assert gate.paused and gate.holder == "sync-a" and 0 < gate.lease_remaining_s() <= 0.1
+
+    async def later():
+        async with gate.admit() as version:
+            return version
+
+    held = asyncio.create_task(later())
+    await asyncio.sleep(0.02)
+    assert gate.held == 1
+    # Nobody renews or resumes: the lease ends the pause by itself.
+    assert await asyncio.wait_for(held, 2) == 4
+    assert not gate.paused and gate.holder == "" and gate.lease_remaining_s() == 0
+    assert metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 1
+    assert metric(gate, "clawrl_gateway_paused") == 0
+
+
+async def test_same_holder_renews_the_lease_another_holder_is_refused():
+    gate = make_gate()
+    await gate.pause(1, lease_s=0.15, holder="sync-a")
+    for _ in range(4):  # 0.4 s in all, well past one lease: renewals keep it paused
+        await asyncio.sleep(0.1)
+        assert gate.paused
+        await gate.pause(1, lease_s=0.15, holder="sync-a")
+    with pytest.raises(PauseHeld, match="sync-a"):
+        await gate.pause(1, lease_s=5, holder="sync-b")
+    assert gate.holder == "sync-a" and metric(gate, "clawrl_gateway_pause_refusals_total") == 1
+    assert metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 0
+    gate.resume(9)
+    # The resumed gate's old lease timer is gone: nothing expires later.
+    await asyncio.sleep(0.2)
+    assert (
+        metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 0 and gate.policy_version == 9
+    )
+
+
+async def test_resume_is_idempotent():
+    gate = make_gate()
+    await gate.pause(1, lease_s=5, holder="sync-a")
+    assert gate.resume(3) == 0
+    assert gate.resume(3) == 0 and gate.resume(None) == 0
+    assert not gate.paused and gate.policy_version == 3
+    # A new holder may pause once the previous pause ended.
+    await gate.pause(1, lease_s=5, holder="sync-b")
+    assert gate.holder == "sync-b"
+    gate.resume(None)
+
+
+async def test_default_lease_applies_when_none_is_given():
+    gate = PauseGate(GatewayMetrics(), hold_timeout_s=5, retry_after_s=2, lease_s=0.05)
+    await gate.pause(1)
+    await asyncio.sleep(0.15)
+    assert not gate.paused and metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 1

@@ -179,6 +179,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             hold_timeout_s=settings.control.hold_timeout_s,
             retry_after_s=settings.serving.retry_after_s,
             policy_version=await initial_policy_version(settings, engine),
+            lease_s=settings.control.lease_s,
         )
         store = SessionStore(
             redis,

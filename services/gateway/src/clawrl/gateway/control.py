@@ -6,6 +6,12 @@ engine, while generations already running finish; Pause returns once they draine
 timeout passed. Resume(v) sets the policy version and releases the held requests, so every turn
 generated after it carries v. A request held longer than the hold timeout gets 503 with
 Retry-After.
+
+A pause is a lease: it ends by itself after `lease_s` unless its holder renews it (Pause again
+with the same holder), so a sync job that dies (even by SIGKILL) never leaves serving paused.
+An expired lease resumes on the current version, is counted and logged. While one holder's lease
+runs, a Pause from another holder is refused (two syncs must never interleave). Resume is
+idempotent: on a gateway that is not paused it only sets the version.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ log = logging.getLogger(__name__)
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["GatewayControl"].full_name
 
 
+class PauseHeld(Exception):
+    """Pause from a holder other than the one whose lease is running."""
+
+
 class PauseGate:
     """Admission of generations: counts in-flight work, holds new work while paused."""
 
@@ -40,12 +50,17 @@ class PauseGate:
         hold_timeout_s: float,
         retry_after_s: int,
         policy_version: int = 0,
+        lease_s: float = 30.0,
     ) -> None:
         self.metrics = metrics
         self.hold_timeout_s = hold_timeout_s
         self.retry_after_s = retry_after_s
+        self.default_lease_s = lease_s
         self.paused = False
         self.paused_at = 0.0
+        self.holder = ""
+        self.lease_until = 0.0
+        self._expiry: asyncio.TimerHandle | None = None
         self.in_flight = 0
         self.held = 0
         self._resumed = asyncio.Event()
@@ -98,32 +113,71 @@ class PauseGate:
             self.metrics.held.dec()
             self.metrics.hold_time.observe(time.monotonic() - start)
 
-    async def pause(self, drain_timeout_s: float) -> bool:
-        """Hold new work and wait for in-flight work to drain; True when it did."""
+    async def pause(
+        self, drain_timeout_s: float, *, lease_s: float | None = None, holder: str = ""
+    ) -> bool:
+        """Hold new work (or renew the holder's lease) and wait for in-flight work to drain;
+        True when it did. PauseHeld when another holder's lease is running."""
+        if self.paused and holder != self.holder:
+            self.metrics.pause_refusals.inc()
+            raise PauseHeld(
+                f"paused by {self.holder or 'an anonymous holder'} for another "
+                f"{self.lease_remaining_s():.1f}s"
+            )
         if not self.paused:
             self.paused = True
             self.paused_at = time.monotonic()
+            self.holder = holder
             self._resumed.clear()
             self.metrics.paused.set(1)
+        self._lease(lease_s or self.default_lease_s)
         try:
             await asyncio.wait_for(self._drained.wait(), drain_timeout_s)
         except TimeoutError:
             return False
         return True
 
+    def _lease(self, lease_s: float) -> None:
+        """(Re)start the lease: the pause ends by itself lease_s from now."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self.lease_until = time.monotonic() + lease_s
+        self._expiry = asyncio.get_running_loop().call_later(lease_s, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        self.metrics.pause_lease_expiries.inc()
+        log.warning(
+            "pause lease of %s expired after %.1fs without renewal; resuming on policy version %d",
+            self.holder or "an anonymous holder",
+            self.paused_for_s(),
+            self.policy_version,
+            extra={"policy_version": self.policy_version},
+        )
+        self.resume(None)
+
     def resume(self, policy_version: int | None) -> int:
-        """Release held work; returns how many requests were held."""
+        """Release held work (a no-op apart from the version when not paused); returns how many
+        requests were held."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         if policy_version is not None:
             self.set_policy_version(policy_version)
-        released = self.held
+        released = self.held if self.paused else 0
         self.paused = False
         self.paused_at = 0.0
+        self.holder = ""
+        self.lease_until = 0.0
         self._resumed.set()
         self.metrics.paused.set(0)
         return released
 
     def paused_for_s(self) -> float:
         return time.monotonic() - self.paused_at if self.paused else 0.0
+
+    def lease_remaining_s(self) -> float:
+        return max(0.0, self.lease_until - time.monotonic()) if self.paused else 0.0
 
 
 class ControlServicer(control_pb2_grpc.GatewayControlServicer):
@@ -142,13 +196,33 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             policy_version=self.gate.policy_version,
             paused_for_s=self.gate.paused_for_s(),
             gateway_id=self.gateway_id,
+            lease_remaining_s=self.gate.lease_remaining_s(),
+            holder=self.gate.holder,
         )
 
     async def Pause(self, request, context):
+        if request.drain_timeout_s < 0 or request.lease_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s and lease_s must be >= 0"
+            )
         timeout = request.drain_timeout_s if request.drain_timeout_s > 0 else self.drain_timeout_s
-        log.info("pause requested (%s); draining up to %.1fs", request.reason or "-", timeout)
-        drained = await self.gate.pause(timeout)
-        log.info("paused: drained=%s in_flight=%d", drained, self.gate.in_flight)
+        renewal = self.gate.paused and self.gate.holder == request.holder
+        log.info(
+            "%s by %s (%s); draining up to %.1fs",
+            "pause renewed" if renewal else "pause requested",
+            request.holder or "-",
+            request.reason or "-",
+            timeout,
+        )
+        try:
+            drained = await self.gate.pause(
+                timeout, lease_s=request.lease_s or None, holder=request.holder
+            )
+        except PauseHeld as exc:
+            log.warning("pause by %s refused: %s", request.holder or "-", exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if not renewal:
+            log.info("paused: drained=%s in_flight=%d", drained, self.gate.in_flight)
         return control_pb2.PauseResponse(
             drained=drained, in_flight=self.gate.in_flight, status=self.status()
         )

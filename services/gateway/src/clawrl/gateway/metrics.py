@@ -102,6 +102,16 @@ class GatewayMetrics:
             "Held requests answered 503 after the hold timeout.",
             registry=r,
         )
+        self.pause_lease_expiries = Counter(
+            "clawrl_gateway_pause_lease_expiries_total",
+            "Pauses that ended because their holder did not renew the lease (a sync job died).",
+            registry=r,
+        )
+        self.pause_refusals = Counter(
+            "clawrl_gateway_pause_refusals_total",
+            "Pause calls refused because another holder's lease was running.",
+            registry=r,
+        )
         self.policy_version = Gauge(
             "clawrl_gateway_policy_version", "Policy version now served.", registry=r
         )

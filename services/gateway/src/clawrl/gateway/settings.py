@@ -122,6 +122,13 @@ class ControlSettings(Section):
         description="How long a request that arrives while paused waits for Resume before it "
         "gets 503 with Retry-After.",
     )
+    lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="Default lease of a pause: unless its holder renews it (Pause again) within "
+        "this time, the gateway resumes on its current version by itself, so a sync job that "
+        "dies never leaves serving paused. Keep it below hold_timeout_s.",
+    )
     initial_policy_version: int | None = Field(
         None,
         description="Policy version before the first Resume; unset = the engine's "
