@@ -1,0 +1,370 @@
+"""Judging one turn: the mode's rules (rl, opd, combine) over votes, hints, the teacher and the
+reward plug-in, giving one Sample (trained or masked, never none) and its audit record.
+
+Engine trouble (`EngineUnavailable`) propagates: the caller waits and retries the whole turn.
+A turn that cannot be judged raises `MalformedTurn` (dead-lettered with the reason)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from clawrl.common.proto.records_pb2 import MaskReason, SampleMode
+from clawrl.common.records import Sample
+from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
+from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
+from clawrl.judge.hints import HintVote, parse_hint_vote, select_hint
+from clawrl.judge.metrics import JudgeMetrics
+from clawrl.judge.prompts import Budget, JudgeInput, hint_messages, judge_input, prm_messages
+from clawrl.judge.rewards import RewardFn
+from clawrl.judge.settings import Mode
+from clawrl.judge.teacher import Teacher, TeacherMismatch, TeacherSignal
+from clawrl.judge.turns import MalformedTurn, TurnView
+from clawrl.judge.votes import agreement, majority, parse_boxed, wire_votes
+
+MODES = {"rl": SampleMode.SAMPLE_MODE_BINARY_RL, "opd": SampleMode.SAMPLE_MODE_OPD}
+MODES["combine"] = SampleMode.SAMPLE_MODE_COMBINED
+KIND = {"rl": "rl", "opd": "opd", "combine": "combined"}
+MAX_FIT_ROUNDS = 6
+AUDIT_TEXT_CHARS = 20_000
+
+
+@dataclass
+class Vote:
+    """One vote as the audit trail keeps it."""
+
+    text: str
+    score: int | None
+    error: str | None = None
+    hint: str | None = None
+
+    def record(self, keep_text: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"score": self.score}
+        if keep_text:
+            out["text"] = self.text[:AUDIT_TEXT_CHARS]
+        if self.error:
+            out["error"] = self.error
+        if self.hint is not None:
+            out["hint"] = self.hint
+        return out
+
+
+@dataclass
+class Judgement:
+    """A turn's sample and audit record. `promotable`: a 0-scored rl turn with a next state,
+    trained instead of masked when its session has no effective sample yet (decided in
+    Redis at commit, see store.py)."""
+
+    sample: Sample
+    audit: dict[str, Any]
+    promotable: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def effective(self) -> bool:
+        return self.sample.mask_reason == MaskReason.MASK_REASON_UNSPECIFIED
+
+
+def promote(sample: Sample) -> Sample:
+    """The trained form of a masked 0-scored sample (at-least-one-sample-per-session rule)."""
+    promoted = Sample()
+    promoted.CopyFrom(sample)
+    promoted.mask_reason = MaskReason.MASK_REASON_UNSPECIFIED
+    promoted.loss_mask[:] = [1.0] * len(sample.response_ids)
+    promoted.promoted = True
+    return promoted
+
+
+def base_sample(view: TurnView, mode: Mode) -> Sample:
+    """A sample with everything copied exactly from the turn, not yet scored."""
+    turn = view.turn
+    now = Timestamp()
+    now.GetCurrentTime()
+    sample = Sample(
+        sample_id=turn.turn_id,
+        session_id=turn.session_id,
+        turn_index=turn.turn_index,
+        policy_version=turn.policy_version,
+        mode=MODES[mode],
+        prompt_ids=turn.prompt_ids,
+        response_ids=turn.response_ids,
+        old_logprobs=turn.response_logprobs,
+        weight_version=turn.weight_version,
+        temperature=turn.temperature,
+        top_p=turn.top_p,
+        model=turn.model,
+        created_at=now,
+    )
+    if turn.HasField("finalized_at"):
+        sample.turn_finalized_at.CopyFrom(turn.finalized_at)
+    return sample
+
+
+def set_mask(sample: Sample, reason: int | None) -> Sample:
+    """Trained (loss_mask ones) when `reason` is None, else masked with that reason."""
+    trained = reason is None
+    sample.loss_mask[:] = [1.0 if trained else 0.0] * len(sample.response_ids)
+    sample.mask_reason = MaskReason.MASK_REASON_UNSPECIFIED if trained else reason
+    return sample
+
+
+def set_teacher(sample: Sample, signal: TeacherSignal) -> None:
+    sample.has_teacher = True
+    sample.teacher_logprobs[:] = signal.logprobs
+    sample.teacher_top_k = signal.top_k
+    sample.teacher_topk_ids[:] = signal.topk_ids
+    sample.teacher_topk_logprobs[:] = signal.topk_logprobs
+
+
+def score_label(score: float | None) -> str:
+    if score is None:
+        return "none"
+    return "positive" if score > 0 else "negative" if score < 0 else "zero"
+
+
+class Judge:
+    """Judges one turn at a time (call concurrently; it keeps no per-turn state)."""
+
+    def __init__(
+        self,
+        *,
+        mode: Mode,
+        metrics: JudgeMetrics,
+        votes: int = 3,
+        backend: VoteBackend | None = None,
+        teacher: Teacher | None = None,
+        reward_fn: RewardFn | None = None,
+        budget: Budget | None = None,
+        min_hint_chars: int = 10,
+        keep_vote_text: bool = True,
+        promote_first_in_session: bool = True,
+    ) -> None:
+        if mode != "rl" and teacher is None:
+            raise ValueError(f"mode {mode} needs a teacher (an SGLang-API judge engine)")
+        if backend is None and (mode != "rl" or reward_fn is None):
+            raise ValueError(f"mode {mode} needs a vote backend (PRM or hint votes)")
+        self.mode = mode
+        self.metrics = metrics
+        self.m = votes
+        self.backend = backend
+        self.teacher = teacher
+        self.reward_fn = reward_fn
+        self.budget = budget or Budget()
+        self.min_hint_chars = min_hint_chars
+        self.keep_vote_text = keep_vote_text
+        self.promote_first_in_session = promote_first_in_session
+
+    async def judge(self, view: TurnView) -> Judgement:
+        turn = view.turn
+        sample = base_sample(view, self.mode)
+        audit: dict[str, Any] = {
+            "turn_id": turn.turn_id,
+            "session_id": turn.session_id,
+            "turn_index": turn.turn_index,
+            "policy_version": turn.policy_version,
+            "weight_version": turn.weight_version,
+            "mode": self.mode,
+            "finalize_reason": turn.finalize_reason,
+            "response": turn.response_text[:AUDIT_TEXT_CHARS],
+            "next_state": [m for m in view.next_state],
+        }
+        judgement = Judgement(sample=sample, audit=audit)
+        if not turn.response_ids:
+            set_mask(sample, MaskReason.MASK_REASON_EMPTY_RESPONSE)
+        elif self.mode == "rl":
+            await self._rl(view, judgement)
+        elif self.mode == "opd":
+            await self._opd(view, judgement)
+        else:
+            await self._combine(view, judgement)
+        audit.update(
+            reward=sample.reward,
+            reward_source=sample.reward_source,
+            hint=sample.hint,
+            has_teacher=sample.has_teacher,
+            mask_reason=MaskReason.Name(sample.mask_reason),
+            promoted=False,
+            judged_at=time.time(),
+            timings=judgement.timings,
+        )
+        self.metrics.samples.labels(
+            KIND[self.mode], score_label(audit.get("score", sample.reward))
+        ).inc()
+        if not judgement.effective:
+            self.metrics.masked.labels(MaskReason.Name(sample.mask_reason)).inc()
+        return judgement
+
+    # ----- modes ---------------------------------------------------------------------------
+
+    async def _rl(self, view: TurnView, j: Judgement) -> None:
+        score = await self._score(view, j)
+        sample = j.sample
+        if score is None and not view.has_next_state:
+            set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
+        elif not score:
+            set_mask(sample, MaskReason.MASK_REASON_NEUTRAL_SCORE)
+            j.promotable = view.has_next_state and self.promote_first_in_session
+        else:
+            sample.reward = score
+            set_mask(sample, None)
+
+    async def _opd(self, view: TurnView, j: Judgement) -> None:
+        sample = j.sample
+        if not view.has_next_state:
+            set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
+            return
+        hint = await self._hint(view, j)
+        if not hint:
+            set_mask(sample, MaskReason.MASK_REASON_NO_HINT)
+            return
+        await self._teach(view, hint, j)
+        set_mask(sample, None)
+
+    async def _combine(self, view: TurnView, j: Judgement) -> None:
+        """hint & ±1: teacher + reward; hint & 0: teacher, reward 0; no hint & ±1: reward
+        only (has_teacher false: an exact zero distillation term); neither: masked."""
+        sample = j.sample
+        if not view.has_next_state and self.reward_fn is None:
+            set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
+            return
+        hint_task = self._hint(view, j) if view.has_next_state else _nothing()
+        score, hint = await _gather(self._score(view, j), hint_task)
+        if hint:
+            await self._teach(view, hint, j)
+        if score:
+            sample.reward = score
+        if hint or score:
+            set_mask(sample, None)
+        elif not view.has_next_state:
+            set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
+        else:
+            set_mask(sample, MaskReason.MASK_REASON_NO_SIGNAL)
+
+    # ----- signals -------------------------------------------------------------------------
+
+    async def _score(self, view: TurnView, j: Judgement) -> float | None:
+        """The reward_fn's reward, else the PRM majority (None: no next state to judge)."""
+        if self.reward_fn is not None:
+            score = await self.reward_fn(view)
+            j.sample.reward_source = self.reward_fn.source
+            j.audit["score"] = score
+            return score
+        if not view.has_next_state:
+            return None
+        data = judge_input(view.messages, view.response_message, view.next_state, self.budget)
+        prompt = self._fit(view, data, prm_messages, "prm")
+        started = time.perf_counter()
+        votes = await self._votes(prompt, "prm", lambda text: (parse_boxed(text), None))
+        elapsed = time.perf_counter() - started
+        self.metrics.judge_latency.labels("prm").observe(elapsed)
+        j.timings["prm_s"] = elapsed
+        scores = [v.score for v in votes]
+        result = majority(scores)
+        self.metrics.agreement.observe(agreement(scores, result))
+        j.sample.votes[:] = wire_votes(scores)
+        j.sample.reward_source = "prm"
+        j.audit["votes"] = [v.record(self.keep_vote_text) for v in votes]
+        j.audit["score"] = result
+        return float(result)
+
+    async def _hint(self, view: TurnView, j: Judgement) -> str:
+        data = judge_input(view.messages, view.response_message, view.next_state, self.budget)
+        prompt = self._fit(view, data, hint_messages, "hint")
+        started = time.perf_counter()
+
+        def parse(text: str) -> tuple[int | None, str]:
+            vote = parse_hint_vote(text)
+            return vote.score, vote.hint
+
+        votes = await self._votes(prompt, "hint", parse)
+        elapsed = time.perf_counter() - started
+        self.metrics.judge_latency.labels("hint").observe(elapsed)
+        j.timings["hint_s"] = elapsed
+        hint = select_hint([HintVote(v.score, v.hint or "") for v in votes], self.min_hint_chars)
+        self.metrics.hints.labels("accepted" if hint else "none").inc()
+        j.audit["hint_votes"] = [v.record(self.keep_vote_text) for v in votes]
+        j.sample.hint = hint
+        return hint
+
+    async def _teach(self, view: TurnView, hint: str, j: Judgement) -> None:
+        assert self.teacher is not None
+        started = time.perf_counter()
+        try:
+            prompt_ids = self.teacher.hinted_prompt_ids(view.messages, view.tools, hint)
+            signal = await self.teacher.score(prompt_ids, view.turn.response_ids)
+        except (EngineRequestError, TeacherMismatch) as exc:
+            raise MalformedTurn(f"teacher log-probs failed: {exc}") from exc
+        except ValueError as exc:  # the policy template cannot render the hinted messages
+            raise MalformedTurn(f"cannot render the hinted prompt: {exc}") from exc
+        elapsed = time.perf_counter() - started
+        self.metrics.teacher_latency.observe(elapsed)
+        j.timings["teacher_s"] = elapsed
+        j.audit["hinted_prompt_tokens"] = len(prompt_ids)
+        set_teacher(j.sample, signal)
+
+    def _fit(
+        self,
+        view: TurnView,
+        data: JudgeInput,
+        build: Callable[[JudgeInput], list[dict[str, str]]],
+        kind: str,
+    ) -> Prepared:
+        """The prepared prompt, shortened further until it fits the judge's context."""
+        assert self.backend is not None
+        budget = self.budget
+        for _ in range(MAX_FIT_ROUNDS):
+            try:
+                prompt = self.backend.prepare(build(data))
+            except PromptTooLong:
+                budget = budget.halved()
+                data = judge_input(view.messages, view.response_message, view.next_state, budget)
+                data = JudgeInput(data.context, data.response, data.next_state, data.shortened + 1)
+                continue
+            except ValueError as exc:  # the judge template cannot render it
+                raise MalformedTurn(f"cannot render the judge prompt: {exc}") from exc
+            if data.shortened:
+                self.metrics.shortened.labels(kind).inc()
+            return prompt
+        raise MalformedTurn("the judge prompt does not fit the judge model's context")
+
+    async def _votes(
+        self, prompt: Prepared, kind: str, parse: Callable[[str], tuple[int | None, Any]]
+    ) -> list[Vote]:
+        """m concurrent votes; a rejected vote is dropped (score None), an unavailable
+        backend fails the turn (EngineUnavailable)."""
+        assert self.backend is not None
+        replies = await asyncio.gather(
+            *(self.backend.vote(prompt) for _ in range(self.m)), return_exceptions=True
+        )
+        votes = []
+        for reply in replies:
+            if isinstance(reply, EngineUnavailable):
+                raise reply
+            if isinstance(reply, EngineRequestError):
+                votes.append(Vote(text="", score=None, error=reply.message))
+                self.metrics.votes.labels(kind, "failed").inc()
+                continue
+            if isinstance(reply, BaseException):
+                raise reply
+            score, hint = parse(reply)
+            votes.append(Vote(text=reply, score=score, hint=hint if kind == "hint" else None))
+            self.metrics.votes.labels(kind, "valid" if score is not None else "invalid").inc()
+        return votes
+
+
+async def _nothing() -> str:
+    return ""
+
+
+async def _gather(score_coro, hint_coro) -> tuple[float | None, str]:
+    """Both signals concurrently; the first failure propagates once both have finished."""
+    score, hint = await asyncio.gather(score_coro, hint_coro, return_exceptions=True)
+    for result in (score, hint):
+        if isinstance(result, BaseException):
+            raise result
+    return score, hint  # type: ignore[return-value]

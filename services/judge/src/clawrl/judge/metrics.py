@@ -1,0 +1,117 @@
+"""The judge's Prometheus metrics, built on a registry made at start. Labels are bounded
+(kinds, outcomes, reasons); never a session or turn id."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from clawrl.common.metrics import LATENCY_BUCKETS_S
+
+AGREEMENT_BUCKETS = (0.0, 0.34, 0.5, 0.67, 0.75, 0.99, 1.0)
+
+
+class JudgeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.turns = Counter(
+            "clawrl_judge_turns_total",
+            "Turns handled, by outcome: published (a sample was written), promoted, duplicate "
+            "(already judged: acknowledged only), dead_letter, failed (left for redelivery).",
+            ["outcome"],
+            registry=r,
+        )
+        self.samples = Counter(
+            "clawrl_judge_samples_total",
+            "Samples published, by kind (rl, opd, combined) and score sign (positive, "
+            "negative, zero, none); masked ones included.",
+            ["kind", "score"],
+            registry=r,
+        )
+        self.masked = Counter(
+            "clawrl_judge_masked_samples_total",
+            "Samples published with an all-zero loss mask, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.votes = Counter(
+            "clawrl_judge_votes_total",
+            "Votes asked, by kind (prm, hint) and result (valid, invalid = no parsable "
+            "verdict, failed = the backend rejected it).",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.agreement = Histogram(
+            "clawrl_judge_vote_agreement_ratio",
+            "Share of a turn's valid PRM votes that agree with the majority.",
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
+        self.hints = Counter(
+            "clawrl_judge_hints_total",
+            "Hint selections: accepted (a usable hint) or none (no OPD signal).",
+            ["result"],
+            registry=r,
+        )
+        self.judge_latency = Histogram(
+            "clawrl_judge_vote_duration_seconds",
+            "Time for a turn's m votes (all concurrent), by kind.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.teacher_latency = Histogram(
+            "clawrl_judge_teacher_duration_seconds",
+            "Time for a turn's teacher log-probs.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.turn_latency = Histogram(
+            "clawrl_judge_turn_duration_seconds",
+            "Time from reading a turn to its sample being committed.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "clawrl_judge_dead_lettered_total",
+            "Turns moved to the dead-letter stream, by reason (malformed, teacher, "
+            "reward_fn, max_deliveries).",
+            ["reason"],
+            registry=r,
+        )
+        self.engine_retries = Counter(
+            "clawrl_judge_engine_retries_total",
+            "Turns put back to wait because an engine or judge API was unavailable.",
+            registry=r,
+        )
+        self.errors = Counter(
+            "clawrl_judge_errors_total",
+            "Unexpected failures judging a turn (left pending for redelivery), by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.shortened = Counter(
+            "clawrl_judge_prompts_shortened_total",
+            "Judge prompts with a part shortened in the middle to fit, by kind (prm, hint).",
+            ["kind"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "clawrl_judge_consumer_lag_entries",
+            "Turns on the stream not yet delivered to the judges group.",
+            registry=r,
+        )
+        self.pending = Gauge(
+            "clawrl_judge_pending_entries",
+            "Turns delivered to the judges group but not yet acknowledged.",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "clawrl_judge_in_flight_turns", "Turns being judged by this process now.", registry=r
+        )
+        self.trimmed = Counter(
+            "clawrl_judge_trimmed_entries_total",
+            "Acknowledged entries trimmed by retention, by stream (turns, audit).",
+            ["stream"],
+            registry=r,
+        )

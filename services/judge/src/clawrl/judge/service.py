@@ -1,0 +1,221 @@
+"""The judge process: `running(settings)` builds every client from the settings (Redis, the
+judge engine, the vote backend, the policy's chat template, the reward plug-in), the Judge core,
+the stream workers and both servers, and tears them down in reverse order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from clawrl.common.chat import ChatRenderer
+from clawrl.common.models import context_length, resolve_model_dir
+from clawrl.common.sglang_client import SGLangClient
+from clawrl.judge.backends import OpenAIVotes, SGLangVotes, VoteBackend
+from clawrl.judge.core import Judge
+from clawrl.judge.metrics import JudgeMetrics
+from clawrl.judge.prompts import Budget
+from clawrl.judge.rewards import load_reward_fn
+from clawrl.judge.server import start_grpc, start_http
+from clawrl.judge.settings import JudgeSettings
+from clawrl.judge.store import JudgeStore, StoreConfig
+from clawrl.judge.teacher import Teacher
+from clawrl.judge.worker import JudgeConsumer, Worker, housekeeping
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JudgeService:
+    """What `running` built; the worker tasks run until `stop` is set."""
+
+    settings: JudgeSettings
+    judge: Judge
+    metrics: JudgeMetrics
+    redis: Redis
+    store: JudgeStore
+    engine: SGLangClient | None
+    workers: list[Worker]
+    grpc_port: int = 0
+    metrics_port: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def ready(self) -> dict[str, bool]:
+        checks = {}
+        try:
+            checks["redis"] = bool(await asyncio.wait_for(self.redis.ping(), 2))
+        except Exception:
+            checks["redis"] = False
+        if self.engine is not None:
+            checks["engine"] = await self.engine.health()
+        return checks
+
+
+def create_redis(settings: JudgeSettings) -> Redis:
+    # A blocking XREADGROUP must not outlast the socket timeout.
+    timeout = max(settings.redis.socket_timeout_s, settings.workers.block_ms / 1000 + 2)
+    return Redis.from_url(
+        settings.redis.url,
+        socket_timeout=timeout,
+        socket_connect_timeout=settings.redis.socket_timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        health_check_interval=30,
+    )
+
+
+def build_backend(
+    settings: JudgeSettings, engine: SGLangClient | None, policy: ChatRenderer | None
+) -> VoteBackend | None:
+    b = settings.backend
+    if not settings.needs_votes:
+        return None
+    if b.kind == "openai":
+        assert b.openai_base_url and b.openai_model  # checked by the settings
+        return OpenAIVotes(
+            base_url=b.openai_base_url,
+            model=b.openai_model,
+            api_key=b.openai_key(),
+            temperature=b.temperature,
+            max_new_tokens=b.max_new_tokens,
+            timeout_s=b.timeout_s,
+        )
+    assert engine is not None
+    model = settings.vote_model
+    renderer = policy if settings.judge_model is None and policy else None
+    renderer = renderer or ChatRenderer.from_settings(model)
+    window = b.context_tokens or context_length(model, resolve_model_dir(model))
+    return SGLangVotes(
+        engine,
+        renderer,
+        context_tokens=window,
+        temperature=b.temperature,
+        max_new_tokens=b.max_new_tokens,
+    )
+
+
+def build_judge(
+    settings: JudgeSettings, metrics: JudgeMetrics, engine: SGLangClient | None
+) -> Judge:
+    """The core with its backend, teacher and reward plug-in (loads tokenizers: call it in a
+    thread from async code)."""
+    policy = ChatRenderer.from_settings(settings.model) if settings.needs_teacher else None
+    teacher = None
+    if settings.needs_teacher:
+        assert engine is not None and policy is not None
+        teacher = Teacher(engine, policy, settings.teacher.top_k)
+    j, p = settings.judging, settings.prompt
+    return Judge(
+        mode=j.mode,
+        metrics=metrics,
+        votes=j.votes,
+        backend=build_backend(settings, engine, policy),
+        teacher=teacher,
+        reward_fn=load_reward_fn(j.reward_fn, j.reward_fn_args) if j.reward_fn else None,
+        budget=Budget(p.context_messages, p.max_message_chars, p.max_response_chars),
+        min_hint_chars=j.min_hint_chars,
+        keep_vote_text=settings.audit.keep_vote_text,
+        promote_first_in_session=j.promote_first_in_session,
+    )
+
+
+def build_store(settings: JudgeSettings, redis: Redis) -> JudgeStore:
+    w, r = settings.workers, settings.redis
+    return JudgeStore(
+        redis,
+        StoreConfig(
+            prefix=w.key_prefix,
+            turns_stream=r.turns_stream,
+            samples_stream=r.samples_stream,
+            audit_stream=settings.audit.stream,
+            group=w.group,
+            samples_maxlen=r.stream_maxlen,
+            audit_maxlen=settings.retention.audit_maxlen,
+            done_ttl_s=w.done_ttl_s,
+            session_ttl_s=w.session_ttl_s,
+        ),
+    )
+
+
+def build_workers(
+    settings: JudgeSettings, redis: Redis, store: JudgeStore, judge: Judge, metrics: JudgeMetrics
+) -> list[Worker]:
+    w = settings.workers
+    workers = []
+    for i in range(w.workers):
+        consumer = JudgeConsumer(
+            redis,
+            stream=settings.redis.turns_stream,
+            group=w.group,
+            consumer=w.consumer if w.workers == 1 else f"{w.consumer}-{i}",
+            deadletter_stream=settings.redis.deadletter_stream,
+            max_deliveries=w.max_deliveries,
+            claim_idle_ms=w.claim_idle_ms,
+            metrics=metrics,
+            store=store,
+        )
+        workers.append(Worker(consumer, store, judge, metrics, w))
+    return workers
+
+
+@contextlib.asynccontextmanager
+async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterator[JudgeService]:
+    """Build everything, start the workers (and the servers when `serve`), yield the service;
+    on exit stop reading, drain in-flight turns and close every client."""
+    metrics = JudgeMetrics()
+    engine = None
+    if settings.backend.engine_url and (
+        settings.needs_teacher or (settings.needs_votes and settings.backend.kind == "sglang")
+    ):
+        engine = SGLangClient(
+            settings.backend.engine_url,
+            timeout_s=settings.backend.timeout_s,
+            max_connections=settings.backend.max_connections,
+        )
+    judge = await asyncio.to_thread(build_judge, settings, metrics, engine)
+    redis = create_redis(settings)
+    store = build_store(settings, redis)
+    workers = build_workers(settings, redis, store, judge, metrics)
+    service = JudgeService(settings, judge, metrics, redis, store, engine, workers)
+    tasks = [asyncio.create_task(w.run(service.stop), name=f"judge-worker-{i}")
+             for i, w in enumerate(workers)]  # fmt: skip
+    retention_streams = {"turns": settings.redis.turns_stream}
+    tasks.append(asyncio.create_task(housekeeping(
+        redis, workers[0].consumer, retention_streams, metrics, settings.retention, service.stop
+    )))  # fmt: skip
+    grpc_server = http_runner = None
+    try:
+        if serve:
+            s = settings.server
+            grpc_server, service.grpc_port = await start_grpc(judge, metrics, s.host, s.grpc_port)
+            http_runner, service.metrics_port = await start_http(
+                metrics, service.ready, s.host, s.metrics_port
+            )
+        log.info(
+            "judge up: mode=%s votes=%s reward_fn=%s workers=%d group=%s grpc=%d metrics=%d",
+            settings.judging.mode,
+            settings.backend.kind if settings.needs_votes else "-",
+            settings.judging.reward_fn or "-",
+            len(workers),
+            settings.workers.group,
+            service.grpc_port,
+            service.metrics_port,
+        )
+        yield service
+    finally:
+        service.stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2)
+        if http_runner is not None:
+            await http_runner.cleanup()
+        if judge.backend is not None:
+            await judge.backend.aclose()
+        if engine is not None:
+            await engine.aclose()
+        await redis.aclose()

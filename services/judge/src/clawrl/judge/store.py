@@ -1,0 +1,140 @@
+"""The judge's Redis state, written atomically per turn by one Lua script: the sample on the
+samples stream, the audit record, the "judged" marker that deduplicates redeliveries, the
+session's promotion state, and the XACK of the turn.
+
+Why one script: at-least-once delivery means a turn can be judged twice (a worker died after
+judging, another took the entry over). The marker `{prefix}:done:{turn_id}` is set in the same
+atomic step that publishes the sample and acknowledges the turn, so a turn's sample is written
+exactly once, and a turn is never acknowledged without its sample. The at-least-one-sample-per-
+session rule reads and updates `{prefix}:session:{session_id}` in that step too, so it holds with
+any number of workers and replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from redis.asyncio import Redis
+
+from clawrl.common.records import encode_entry
+from clawrl.judge.core import Judgement, promote
+
+# KEYS: done marker, session state, samples stream, audit stream, turns stream
+# ARGV: group, entry id, sample id, sample type, sample data, promoted sample data,
+#       effective (0/1), promotable (0/1), audit json, samples maxlen, audit maxlen,
+#       done ttl, session ttl
+COMMIT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('XACK', KEYS[5], ARGV[1], ARGV[2])
+  return 'duplicate'
+end
+local data = ARGV[5]
+local outcome = 'published'
+if ARGV[7] == '1' then
+  redis.call('HINCRBY', KEYS[2], 'effective', 1)
+  redis.call('EXPIRE', KEYS[2], ARGV[13])
+elseif ARGV[8] == '1' then
+  local state = redis.call('HMGET', KEYS[2], 'effective', 'promoted')
+  if (tonumber(state[1]) or 0) == 0 and not state[2] then
+    redis.call('HSET', KEYS[2], 'promoted', ARGV[3])
+    redis.call('EXPIRE', KEYS[2], ARGV[13])
+    data = ARGV[6]
+    outcome = 'promoted'
+  end
+end
+local sample_entry = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*',
+  'id', ARGV[3], 'type', ARGV[4], 'data', data)
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[11], '*',
+  'id', ARGV[3], 'outcome', outcome, 'sample_entry', sample_entry, 'data', ARGV[9])
+redis.call('SET', KEYS[1], sample_entry, 'EX', ARGV[12])
+redis.call('XACK', KEYS[5], ARGV[1], ARGV[2])
+return outcome
+"""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    prefix: str
+    turns_stream: str
+    samples_stream: str
+    audit_stream: str
+    group: str
+    samples_maxlen: int
+    audit_maxlen: int
+    done_ttl_s: int
+    session_ttl_s: int
+
+
+class JudgeStore:
+    """Commits judgements and answers "was this turn judged already?"."""
+
+    def __init__(self, redis: Redis, config: StoreConfig) -> None:
+        self.redis = redis
+        self.config = config
+        self._commit = redis.register_script(COMMIT)
+
+    def done_key(self, turn_id: str) -> str:
+        return f"{self.config.prefix}:done:{turn_id}"
+
+    def session_key(self, session_id: str) -> str:
+        return f"{self.config.prefix}:session:{session_id}"
+
+    async def judged(self, turn_ids: list[str]) -> list[bool]:
+        """For each turn id, whether its sample is already written (one round trip)."""
+        if not turn_ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for turn_id in turn_ids:
+                pipe.exists(self.done_key(turn_id))
+            return [bool(n) for n in await pipe.execute()]
+
+    def _args(self, entry_id: str, judgement: Judgement) -> tuple[list[str], list]:
+        c = self.config
+        sample = judgement.sample
+        fields = encode_entry(sample)
+        promoted = promote(sample).SerializeToString() if judgement.promotable else b""
+        keys = [
+            self.done_key(sample.sample_id),
+            self.session_key(sample.session_id),
+            c.samples_stream,
+            c.audit_stream,
+            c.turns_stream,
+        ]
+        args = [
+            c.group,
+            entry_id,
+            fields["id"],
+            fields["type"],
+            fields["data"],
+            promoted,
+            int(judgement.effective),
+            int(judgement.promotable),
+            orjson.dumps(judgement.audit, default=str),
+            c.samples_maxlen,
+            c.audit_maxlen,
+            c.done_ttl_s,
+            c.session_ttl_s,
+        ]
+        return keys, args
+
+    async def commit(self, items: list[tuple[str, Judgement]]) -> list[str]:
+        """Commit `(entry_id, judgement)` pairs in one pipeline; each outcome is 'published',
+        'promoted' or 'duplicate'."""
+        if not items:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id, judgement in items:
+                keys, args = self._args(entry_id, judgement)
+                await self._commit(keys=keys, args=args, client=pipe)
+            results = await pipe.execute()
+        return [r.decode() if isinstance(r, bytes) else str(r) for r in results]
+
+    async def record_rejection(self, turn_id: str, reason: str, entry_id: str) -> None:
+        """An audit record for a dead-lettered turn (the dead-letter entry is already written)."""
+        record = {"turn_id": turn_id, "dead_letter": reason, "entry_id": entry_id}
+        await self.redis.xadd(
+            self.config.audit_stream,
+            {"id": turn_id, "outcome": "dead_letter", "data": orjson.dumps(record)},
+            maxlen=self.config.audit_maxlen,
+            approximate=True,
+        )

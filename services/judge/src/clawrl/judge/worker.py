@@ -1,0 +1,303 @@
+"""A stream worker: one consumer of the `judges` group on the turns stream.
+
+Delivery: entries are read (XAUTOCLAIM of a dead consumer's entries first, then new ones), up
+to `concurrency` turns are judged at once, and finished judgements are committed in batches by
+one committer (store.py: sample + audit + dedupe marker + XACK, atomically per turn). Turns in
+progress are re-claimed to this consumer every third of `claim_idle_ms` (XCLAIM JUSTID, which
+does not count as a delivery), so a slow engine or a long outage never makes a live worker's
+turns look abandoned; only a dead worker's turns are taken over. An unavailable engine makes a
+turn wait with exponential backoff, never dead-letters it. A malformed turn is dead-lettered
+with its reason at once; an unexpected failure leaves the turn pending for redelivery and
+dead-letters it on its last allowed delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from clawrl.common.logs import log_context
+from clawrl.common.records import RecordError, Turn, decode_entry
+from clawrl.common.sglang_client import EngineUnavailable
+from clawrl.common.streams import Entry, GroupConsumer, trim_acknowledged
+from clawrl.judge.core import Judge, Judgement
+from clawrl.judge.metrics import JudgeMetrics
+from clawrl.judge.settings import RetentionSettings, WorkerSettings
+from clawrl.judge.store import JudgeStore
+from clawrl.judge.turns import MalformedTurn, TurnView, check_turn
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+COMMIT_BATCH = 256
+
+
+class JudgeConsumer(GroupConsumer):
+    """GroupConsumer whose dead-lettering is counted and audited (also the poison entries it
+    dead-letters itself while claiming)."""
+
+    def __init__(self, *args, metrics: JudgeMetrics, store: JudgeStore, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
+        self.store = store
+
+    async def dead_letter(self, entry: Entry, reason: str, category: str = "max_deliveries"):
+        await super().dead_letter(entry, reason)
+        self.metrics.dead_lettered.labels(category).inc()
+        self.metrics.turns.labels("dead_letter").inc()
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.store.record_rejection(entry.record_id, reason, entry.entry_id)
+
+
+@dataclass
+class InFlight:
+    entry: Entry
+    started: float
+    task: asyncio.Task | None = None
+
+
+class Worker:
+    def __init__(
+        self,
+        consumer: JudgeConsumer,
+        store: JudgeStore,
+        judge: Judge,
+        metrics: JudgeMetrics,
+        settings: WorkerSettings,
+    ) -> None:
+        self.consumer = consumer
+        self.store = store
+        self.judge = judge
+        self.metrics = metrics
+        self.settings = settings
+        self.in_flight: dict[str, InFlight] = {}
+        self._room = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+        self._commits: asyncio.Queue[tuple[InFlight, Judgement]] = asyncio.Queue()
+        self._stopping = False
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Judge turns until `stop` is set, then let in-flight turns finish (drain timeout)."""
+        await self.consumer.ensure_group()
+        committer = asyncio.create_task(self._commit_forever(), name="judge-committer")
+        keeper = asyncio.create_task(self._keep_claimed(), name="judge-keep-claimed")
+        log.info("judge worker %s reading %s", self.consumer.consumer, self.consumer.stream)
+        backoff = self.settings.retry_initial_s
+        try:
+            while not stop.is_set():
+                room = self.settings.concurrency - len(self.in_flight)
+                if room <= 0:
+                    self._room.clear()
+                    await _wait_either(self._room, stop)
+                    continue
+                try:
+                    await self._read_once(min(room, self.settings.read_batch))
+                    backoff = self.settings.retry_initial_s
+                except REDIS_ERRORS as exc:
+                    log.warning("redis unavailable while reading turns: %s", exc)
+                    self.metrics.errors.labels("redis").inc()
+                    await _sleep_or_stop(stop, backoff)
+                    backoff = min(backoff * 2, self.settings.retry_max_s)
+        finally:
+            self._stopping = True
+            await self._drain()
+            committer.cancel()
+            keeper.cancel()
+            await asyncio.gather(committer, keeper, return_exceptions=True)
+
+    async def _read_once(self, count: int) -> None:
+        entries = await self.consumer.read(count, self.settings.block_ms)
+        if not entries:
+            return
+        ready: list[tuple[Entry, TurnView]] = []
+        for entry in entries:
+            try:
+                view = check_turn(decode_entry(entry.fields, Turn))
+            except (RecordError, MalformedTurn) as exc:
+                await self.consumer.dead_letter(entry, f"malformed turn: {exc}", "malformed")
+                continue
+            ready.append((entry, view))
+        judged = await self.store.judged([view.turn.turn_id for _, view in ready])
+        pairs = list(zip(ready, judged, strict=True))
+        duplicates = [entry.entry_id for (entry, _), done in pairs if done]
+        if duplicates:
+            # Judged and committed before (the marker is written with the sample): only ack.
+            await self.consumer.ack(*duplicates)
+            self.metrics.turns.labels("duplicate").inc(len(duplicates))
+        now = time.perf_counter()
+        for (entry, view), done in pairs:
+            if done:
+                continue
+            item = InFlight(entry, now)
+            self.in_flight[entry.entry_id] = item
+            self._idle.clear()
+            item.task = asyncio.create_task(self._process(item, view))
+        self.metrics.in_flight.set(len(self.in_flight))
+
+    async def _process(self, item: InFlight, view: TurnView) -> None:
+        turn = view.turn
+        with log_context(session_id=turn.session_id, policy_version=turn.policy_version):
+            try:
+                judgement = await self._judge_with_retry(view)
+            except MalformedTurn as exc:
+                self._forget(item)
+                await self._reject(item.entry, str(exc), _category(exc))
+                return
+            except asyncio.CancelledError:
+                self._forget(item)  # shutdown: stays pending, another worker takes it over
+                raise
+            except Exception as exc:
+                self._forget(item)
+                self.metrics.errors.labels("judge").inc()
+                if item.entry.deliveries >= self.consumer.max_deliveries:
+                    await self._reject(item.entry, f"judging failed: {exc!r}", "error")
+                else:
+                    # Left pending: redelivered after claim_idle_ms, to this or another worker.
+                    self.metrics.turns.labels("failed").inc()
+                    log.warning("judging turn %s failed (delivery %d): %r", turn.turn_id,
+                                item.entry.deliveries, exc)  # fmt: skip
+                return
+            await self._commits.put((item, judgement))
+
+    async def _judge_with_retry(self, view: TurnView) -> Judgement:
+        delay = self.settings.retry_initial_s
+        while True:
+            try:
+                return await self.judge.judge(view)
+            except EngineUnavailable as exc:
+                if self._stopping:
+                    raise
+                self.metrics.engine_retries.inc()
+                log.warning("judge engine unavailable (%s); turn %s retries in %.1fs",
+                            exc, view.turn.turn_id, delay)  # fmt: skip
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, self.settings.retry_max_s)
+
+    async def _reject(self, entry: Entry, reason: str, category: str) -> None:
+        try:
+            await self.consumer.dead_letter(entry, reason, category)
+        except REDIS_ERRORS as exc:  # stays pending; dead-lettered again on redelivery
+            log.warning("cannot dead-letter %s: %s", entry.entry_id, exc)
+            self.metrics.errors.labels("redis").inc()
+
+    def _forget(self, item: InFlight) -> None:
+        self.in_flight.pop(item.entry.entry_id, None)
+        self.metrics.in_flight.set(len(self.in_flight))
+        self._room.set()
+        if not self.in_flight:
+            self._idle.set()
+
+    # ----- committing ----------------------------------------------------------------------
+
+    async def _commit_forever(self) -> None:
+        while True:
+            batch = [await self._commits.get()]
+            while len(batch) < COMMIT_BATCH and not self._commits.empty():
+                batch.append(self._commits.get_nowait())
+            await self._commit(batch)
+
+    async def _commit(self, batch: list[tuple[InFlight, Judgement]]) -> None:
+        """Commit until Redis takes it: the script is idempotent (dedupe marker), so a retry
+        after an unknown outcome never publishes twice."""
+        delay = self.settings.retry_initial_s
+        while True:
+            try:
+                outcomes = await self.store.commit(
+                    [(item.entry.entry_id, judgement) for item, judgement in batch]
+                )
+                break
+            except REDIS_ERRORS as exc:
+                log.warning("redis unavailable while committing %d samples: %s", len(batch), exc)
+                self.metrics.errors.labels("redis").inc()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_s)
+        now = time.perf_counter()
+        for (item, judgement), outcome in zip(batch, outcomes, strict=True):
+            self.metrics.turns.labels(outcome).inc()
+            self.metrics.turn_latency.observe(now - item.started)
+            self._forget(item)
+            log.debug("turn %s: %s (%s)", judgement.sample.sample_id, outcome,
+                      judgement.audit.get("mask_reason"))  # fmt: skip
+
+    async def _drain(self) -> None:
+        tasks = [item.task for item in self.in_flight.values() if item.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # Finished turns leave in_flight once committed: wait for the committer.
+        if self.in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5)
+
+    # ----- keeping in-flight turns claimed -------------------------------------------------
+
+    async def _keep_claimed(self) -> None:
+        interval = self.settings.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(interval)
+            ids = list(self.in_flight)
+            if not ids:
+                continue
+            try:
+                await self.consumer.redis.xclaim(
+                    self.consumer.stream,
+                    self.consumer.group,
+                    self.consumer.consumer,
+                    min_idle_time=0,
+                    message_ids=ids,
+                    justid=True,
+                )
+            except REDIS_ERRORS as exc:
+                log.warning("cannot refresh %d in-flight turns: %s", len(ids), exc)
+
+
+def _category(exc: MalformedTurn) -> str:
+    return "teacher" if "teacher" in str(exc) else "malformed"
+
+
+async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> None:
+    waits = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def housekeeping(
+    redis: Redis,
+    consumer: GroupConsumer,
+    streams: dict[str, str],
+    metrics: JudgeMetrics,
+    settings: RetentionSettings,
+    stop: asyncio.Event,
+) -> None:
+    """Every `interval_s`: trim what every consumer group acknowledged from `streams`
+    (`{label: stream}`), keeping the last `keep_s` seconds, and refresh the lag gauges."""
+    while not stop.is_set():
+        try:
+            floor = f"{int((time.time() - settings.keep_s) * 1000)}-0"
+            for label, stream in streams.items():
+                removed = await trim_acknowledged(redis, stream, keep_min_id=floor)
+                metrics.trimmed.labels(label).inc(removed)
+            metrics.lag.set(await consumer.lag())
+            summary = await redis.xpending(consumer.stream, consumer.group)
+            metrics.pending.set(int(summary["pending"]))
+        except REDIS_ERRORS as exc:
+            log.warning("housekeeping failed: %s", exc)
+        await _sleep_or_stop(stop, settings.interval_s)
