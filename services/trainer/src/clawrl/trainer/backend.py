@@ -40,7 +40,9 @@ class TrainBatch:
 
     input_ids: [B, L] int64; prompt_lengths, response_lengths: [B] int64; loss_mask,
     rollout_logp, teacher_logp: [B, R] float32; reward: [B] float32; has_teacher: [B] bool;
-    teacher_topk_ids / teacher_topk_logp: [B, R, K] or None when no sample carries a top-K;
+    teacher_topk_ids / teacher_topk_logp: [B, R, K] or None when no sample carries a top-K,
+    has_topk: [B] bool (the sample's top-K is valid); group_index: [B] int64 (samples of one
+    session share it: GRPO groups);
     old_logp, ref_logp, advantages: [B, R], filled in by the driver before `train_step`."""
 
     sample_ids: tuple[str, ...]
@@ -55,6 +57,8 @@ class TrainBatch:
     policy_versions: Tensor
     teacher_topk_ids: Tensor | None = None
     teacher_topk_logp: Tensor | None = None
+    has_topk: Tensor | None = None
+    group_index: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     advantages: Tensor | None = None
@@ -144,9 +148,9 @@ class TrainerBackend(Protocol):
         directory, and create the optimizer."""
         ...
 
-    @property
     def vocab_size(self) -> int:
-        """Rows of the output embedding: token ids must be below it."""
+        """Rows of the output embedding: token ids must be below it (a method, not a property,
+        so it can be called on a Ray actor)."""
         ...
 
     def compute_logprobs(self, batch: TrainBatch, which: Which = "policy") -> Tensor:

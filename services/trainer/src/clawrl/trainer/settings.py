@@ -1,0 +1,204 @@
+"""The trainer's one settings object (env `CLAWRL_<SECTION>__<FIELD>`, or `clawrl.toml`).
+
+Section and key names follow the OpenClaw-RL config skeleton users know (`[rollout]`,
+`[advantage]`, `[combine]`, `[ppo]`); the rest are the trainer's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
+from clawrl.trainer.losses import AdvantageConfig, LossConfig
+
+
+class RolloutSettings(Section):
+    """How samples become steps."""
+
+    rollout_batch_size: int = Field(
+        16, gt=0, description="Trainable samples per optimizer step (masked ones do not count)."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="A sample whose policy_version is more than this many versions behind the "
+        "trainer's is dropped (counted), never trained.",
+    )
+
+
+class AdvantageSettings(Section):
+    """Which advantage estimator turns samples into per-token advantages."""
+
+    estimator: Literal["grpo", "on_policy_distillation", "combine"] = Field(
+        "grpo", description="grpo: the reward on every token; on_policy_distillation: "
+        "teacher_logp - old_logp; combine: w_rl * reward + w_opd * (teacher_logp - old_logp)."
+    )  # fmt: skip
+    normalize_groups: bool = Field(
+        False,
+        description="GRPO group normalisation over samples of one session (off: each turn is "
+        "its own group).",
+    )
+
+
+class CombineSettings(Section):
+    """Weights of the combine estimator's two terms."""
+
+    w_rl: float = Field(1.0, description="Weight of the scalar reward.")
+    w_opd: float = Field(1.0, description="Weight of teacher_logp - old_logp.")
+
+
+class PPOSettings(Section):
+    """The optimizer and the PPO objective."""
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    policy_loss: Literal["ppo", "reinforce"] = Field("ppo", description="Policy loss.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range below 1.")
+    clip_eps_high: float = Field(0.28, gt=0, description="PPO clip range above 1 (clip-higher).")
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="Dual-clip bound for negative advantages; unset = off."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL-to-reference weight; 0 = the reference model is not loaded."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    distill_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the top-K reverse-KL distillation term (needs samples with "
+        "teacher top-K).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling against the rollout log-probs: the cap on "
+        "pi_old / pi_rollout; unset = off.",
+    )
+    aggregation: Literal["token-mean", "seq-mean"] = Field(
+        "token-mean", description="How per-token losses are averaged."
+    )
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            policy_loss=self.policy_loss,
+            eps_clip=self.clip_eps,
+            eps_clip_high=self.clip_eps_high,
+            dual_clip_c=self.dual_clip_c,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+            distill_coef=self.distill_coef,
+            tis_cap=self.tis_cap,
+            aggregation=self.aggregation,
+        )
+
+
+class TrainSettings(Section):
+    """Where and how the backend runs."""
+
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="torch: HF transformers in one actor; megatron: Megatron-core."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: one GPU when present, else CPU."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on GPU, float32 on CPU."
+    )
+    micro_batch_tokens: int = Field(
+        2048, gt=0, description="Token budget (count x longest, padded) of one micro-batch."
+    )
+    seed: int = Field(0, description="Seed of torch's generators.")
+
+
+class ConsumerSettings(Section):
+    """How the trainer reads clawrl:samples (consumer group `trainers`)."""
+
+    group: str = Field("trainers", description="Consumer group on the samples stream.")
+    name: str = Field(
+        "trainer-0",
+        description="Consumer name; keep it stable across restarts so the trainer takes back "
+        "its own pending entries at once.",
+    )
+    block_ms: int = Field(1000, gt=0, description="XREADGROUP block time.")
+    claim_idle_ms: int = Field(
+        600_000,
+        gt=0,
+        description="Entries pending on another consumer this long are taken over; longer "
+        "than a step, since the trainer holds a step's entries until its checkpoint.",
+    )
+    max_deliveries: int = Field(
+        5, gt=0, description="Deliveries after which an entry is dead-lettered."
+    )
+    dedupe_window: int = Field(
+        100_000, gt=0, description="Ids of the last trained samples kept to refuse a redelivery."
+    )
+
+
+class CheckpointSettings(Section):
+    """Resumable state and the HF exports the engines load."""
+
+    dir: Path = Field(Path("checkpoints"), description="Checkpoint root (a shared volume).")
+    sync_interval: int = Field(
+        1, gt=0, description="Export policy/v{N} and announce it every this many steps."
+    )
+    keep_versions: int = Field(3, gt=0, description="Exported policy versions kept.")
+    keep_states: int = Field(2, gt=0, description="Resumable states kept.")
+    export_path_prefix: str | None = Field(
+        None,
+        description="How the engines see `dir` when it is mounted elsewhere (announced paths "
+        "use it); unset = the same path.",
+    )
+
+
+class RaySettings(Section):
+    """Where the backend actors run."""
+
+    address: str | None = Field(
+        None,
+        description="None: start a local Ray runtime; 'auto': join the cluster (KubeRay RayJob "
+        "entrypoint); or a ray:// / host:port address.",
+    )
+    num_cpus: int | None = Field(
+        None, gt=0, description="CPUs of the local runtime (None: Ray's default)."
+    )
+    actor_num_cpus: float = Field(1.0, gt=0, description="CPUs reserved by a backend actor.")
+    actor_num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by a backend actor.")
+
+
+class ServerSettings(Section):
+    """The HTTP endpoint with /metrics and /healthz."""
+
+    host: str = Field("127.0.0.1", description="Address the metrics endpoint listens on.")
+    metrics_port: int = Field(30030, ge=0, lt=65536, description="/metrics port (0 = free).")
+
+
+class TrainerSettings(ClawrlSettings):
+    """Everything the trainer needs, built once at start and passed down."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
+    combine: CombineSettings = Field(default_factory=CombineSettings)
+    ppo: PPOSettings = Field(default_factory=PPOSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    consumer: ConsumerSettings = Field(default_factory=ConsumerSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(
+            estimator=self.advantage.estimator,
+            w_rl=self.combine.w_rl,
+            w_opd=self.combine.w_opd,
+            normalize_groups=self.advantage.normalize_groups,
+        )

@@ -1,0 +1,200 @@
+"""The PyTorch backend: an HF transformers causal LM in one process, on CPU (float32) or one GPU
+(bfloat16), AdamW, micro-batches by token budget with gradient accumulation.
+
+Only the response rows of the last hidden state go through the output layer: a [b, R, V] logits
+tensor instead of [b, L, V], which is most of the memory of a step at a 49k vocabulary.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from clawrl.trainer.backend import TrainBatch, Which, micro_batches, response_rows
+from clawrl.trainer.backend import response_targets as targets_of
+from clawrl.trainer.losses import (
+    LossConfig,
+    TokenTerms,
+    entropy_from_logits,
+    micro_batch_weight,
+    policy_objective,
+    token_logprobs,
+)
+from clawrl.trainer.settings import PPOSettings, TrainSettings
+
+# Files of an HF model directory that are not weights: copied next to every export so an engine
+# can load it on its own.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, setting)
+
+
+class TorchBackend:
+    """`backend.TrainerBackend` on HF transformers (see the module docstring)."""
+
+    def __init__(self, train: TrainSettings, ppo: PPOSettings) -> None:
+        self.train = train
+        self.ppo = ppo
+        self.device = pick_device(train.device)
+        self.dtype = pick_dtype(train.dtype, self.device)
+        self.model_dir: Path | None = None
+        self.model = None
+        self.reference = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        torch.manual_seed(train.seed)
+
+    # --- loading ---------------------------------------------------------------------------------
+
+    def _load_model(self, model_dir: Path):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        return model.to(self.device)
+
+    def load(self, model_dir: Path, *, load_reference: bool) -> None:
+        self.model_dir = Path(model_dir)
+        self.model = self._load_model(self.model_dir)
+        self.model.train()
+        if load_reference:
+            self.reference = self._load_model(self.model_dir).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.ppo.lr,
+            betas=(self.ppo.beta1, self.ppo.beta2),
+            weight_decay=self.ppo.weight_decay,
+        )
+
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    def _response_logits(self, model, batch: TrainBatch) -> Tensor:
+        """-> [b, R, V] logits at the rows that predict each response token."""
+        input_ids = batch.input_ids.to(self.device)
+        positions = torch.arange(input_ids.shape[1], device=self.device)[None, :]
+        attention_mask = (positions < batch.lengths.to(self.device)[:, None]).long()
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
+        rows = response_rows(hidden, batch.prompt_lengths, batch.response_width)
+        return model.get_output_embeddings()(rows)
+
+    @staticmethod
+    def _valid(batch: TrainBatch) -> Tensor:
+        """[b, R] 1.0 inside each response."""
+        steps = torch.arange(batch.response_width)[None, :]
+        return (steps < batch.response_lengths[:, None]).float()
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, which: Which = "policy") -> Tensor:
+        model = self.model if which == "policy" else self.reference
+        if model is None:
+            raise RuntimeError("the reference model is not loaded (ppo.kl_coef is 0)")
+        was_training = model.training
+        model.eval()  # no dropout: old log-probs must be those of the deterministic policy
+        out = torch.zeros(batch.size, batch.response_width)
+        for group in micro_batches(batch.lengths.tolist(), self.train.micro_batch_tokens):
+            micro = batch.select(group)
+            logits = self._response_logits(model, micro)
+            logp = token_logprobs(logits, targets_of(micro).to(self.device)).cpu()
+            out[group, : micro.response_width] = logp * self._valid(micro)
+        model.train(was_training)
+        return out
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        if batch.old_logp is None or batch.advantages is None:
+            raise ValueError("train_step needs old_logp and advantages (TrainBatch.with_targets)")
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for group in micro_batches(batch.lengths.tolist(), self.train.micro_batch_tokens):
+            micro = batch.select(group)
+            weight = micro_batch_weight(micro.loss_mask, batch.loss_mask, loss_cfg.aggregation)
+            loss, metrics = policy_objective(self._terms(micro, loss_cfg), loss_cfg)
+            (loss * weight).backward()
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + weight * float(value)
+        forward_backward_s = time.perf_counter() - started
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip)
+        optimizer_started = time.perf_counter()
+        self.optimizer.step()
+        totals["grad_norm"] = float(grad_norm)
+        totals["forward_backward_s"] = forward_backward_s
+        totals["optimizer_s"] = time.perf_counter() - optimizer_started
+        return totals
+
+    def _terms(self, micro: TrainBatch, cfg: LossConfig) -> TokenTerms:
+        logits = self._response_logits(self.model, micro)
+        to = self.device
+
+        def dev(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(to)
+
+        targets = targets_of(micro).to(to)
+        entropy = entropy_from_logits(logits if cfg.entropy_coef else logits.detach())
+        student_topk = teacher_topk = None
+        if cfg.distill_coef and micro.teacher_topk_ids is not None:
+            ids = micro.teacher_topk_ids.to(to)
+            student_topk = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)
+            teacher_topk = micro.teacher_topk_logp.to(to)
+        return TokenTerms(
+            logp=token_logprobs(logits, targets),
+            old_logp=dev(micro.old_logp),
+            advantages=dev(micro.advantages),
+            mask=micro.loss_mask.to(to),
+            entropy=entropy,
+            ref_logp=dev(micro.ref_logp),
+            rollout_logp=dev(micro.rollout_logp),
+            student_topk_logp=student_topk,
+            teacher_topk_logp=teacher_topk,
+            has_teacher=dev(micro.has_topk),
+        )
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def export_hf(self, path: Path) -> None:
+        self.model.save_pretrained(path, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            source = self.model_dir / name
+            if source.is_file():
+                shutil.copy2(source, Path(path) / name)
+
+    def save_state(self, path: Path) -> None:
+        # One torch file: exact (tied weights, optimizer moments, RNG), read back only by us.
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        torch.save(state, Path(path) / "backend.pt")
+
+    def load_state(self, path: Path) -> None:
+        state = torch.load(Path(path) / "backend.pt", map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
