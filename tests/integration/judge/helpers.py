@@ -17,6 +17,11 @@ from clawrl.common.streams import publish
 from clawrl.judge.settings import JudgeSettings
 
 
+def said(text: str) -> list[dict[str, Any]]:
+    """A next state: the user's reply."""
+    return [{"role": "user", "content": text}]
+
+
 def make_turn(
     session: str,
     index: int,

@@ -17,18 +17,21 @@ from clawrl.common.records import encode_entry
 from clawrl.judge.audit import export
 from clawrl.judge.service import running
 
-from .helpers import judge_settings, make_turn, pending, put_turns, samples, wait_samples
+from .helpers import (
+    judge_settings,
+    make_turn,
+    pending,
+    put_turns,
+    said,
+    samples,
+    wait_samples,
+)
 
 pytestmark = pytest.mark.integration
 
 ENDS_WITH = "clawrl.judge.reward_examples:ends_with_word"
 ARITHMETIC = "clawrl.judge.reward_examples:arithmetic_confirmed"
 BANANA = {"reward_fn": ENDS_WITH, "reward_fn_args": {"word": "banana"}}
-
-
-def said(text: str) -> list[dict]:
-    """A next state: the user's reply."""
-    return [{"role": "user", "content": text}]
 
 
 @pytest.fixture
