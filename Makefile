@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast proto lint bench clean
+.PHONY: setup run test test-fast proto lint chart bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,13 @@ lint: setup
 	$(VENV)/bin/ruff check services tests deploy
 	$(VENV)/bin/ruff format --check services tests deploy
 	$(VENV)/bin/hadolint services/*/Dockerfile
+	$(VENV)/bin/yamllint -c .yamllint.yaml helm/clawrl/values.yaml helm/clawrl/Chart.yaml deploy
+	$(HELM) lint --strict helm/clawrl
+
+HELM = $(shell $(PY) scripts/install-helm.py)
+
+chart: setup  ## the Helm chart: helm lint/template, Kubernetes and CRD schemas, dashboards' metrics
+	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_engine.py

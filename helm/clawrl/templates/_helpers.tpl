@@ -1,0 +1,369 @@
+{{/* The chart name, or nameOverride. */}}
+{{- define "clawrl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The prefix of every object's name: the release name (with the chart name when it is not already in it), or fullnameOverride. */}}
+{{- define "clawrl.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "clawrl.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "clawrl.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* A component's object name, e.g. clawrl-gateway. Call with (dict "root" $ "component" "gateway"). */}}
+{{- define "clawrl.componentName" -}}
+{{- printf "%s-%s" (include "clawrl.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The labels selecting a component's pods (stable across upgrades). */}}
+{{- define "clawrl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "clawrl.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The standard app.kubernetes.io labels of every object of a component. */}}
+{{- define "clawrl.labels" -}}
+{{ include "clawrl.selectorLabels" . }}
+app.kubernetes.io/part-of: clawrl
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{/* A component's image: <registry>/<name>:<tag>, the tag defaulting to image.tag, then appVersion. Call with (dict "root" $ "image" .Values.gateway.image). */}}
+{{- define "clawrl.image" -}}
+{{- $tag := .image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion }}
+{{- if .root.Values.image.registry }}
+{{- printf "%s/%s:%s" .root.Values.image.registry .image.name $tag }}
+{{- else }}
+{{- printf "%s:%s" .image.name $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The Redis URL every service uses: the in-chart StatefulSet, or redis.externalUrl. */}}
+{{- define "clawrl.redisUrl" -}}
+{{- if eq .Values.redis.mode "internal" }}
+{{- printf "redis://%s:6379/0" (include "clawrl.componentName" (dict "root" . "component" "redis")) }}
+{{- else }}
+{{- required "redis.externalUrl is required when redis.mode is external" .Values.redis.externalUrl }}
+{{- end }}
+{{- end }}
+
+{{/* clawrl settings as environment variables CLAWRL_<SECTION>__<FIELD>: the shared ones, then the component's computed ones, then the component's `settings` value on top; then the component's raw `env` list. Call with (dict "root" $ "settings" (dict "model" (dict "path" "/models/x")) "values" .Values.gateway). */}}
+{{- define "clawrl.env" -}}
+{{- $shared := dict "logging" (dict "level" .root.Values.logLevel "format" "json") "redis" (dict "url" (include "clawrl.redisUrl" .root)) }}
+{{- $all := mustMergeOverwrite $shared (deepCopy (.settings | default dict)) (deepCopy (.values.settings | default dict)) }}
+{{- range $section := keys $all | sortAlpha }}
+{{- $fields := get $all $section }}
+{{- range $field := keys $fields | sortAlpha }}
+{{- $value := get $fields $field }}
+- name: {{ printf "CLAWRL_%s__%s" $section $field | upper }}
+  value: {{ if kindIs "string" $value }}{{ $value | quote }}{{ else }}{{ $value | toJson | quote }}{{ end }}
+{{- end }}
+{{- end }}
+{{- with .values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Node selector and tolerations of a GPU pod: its own when set, else the shared gpuNode ones, so trainer, policy and judge engines land on the same nodes by default. */}}
+{{- define "clawrl.gpuPlacement" -}}
+{{- with (.values.nodeSelector | default .root.Values.gpuNode.nodeSelector) }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with (.values.tolerations | default .root.Values.gpuNode.tolerations) }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Node selector and tolerations of a CPU pod (its own values only). */}}
+{{- define "clawrl.cpuPlacement" -}}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings every pod shares: pull secrets and the non-root security context. */}}
+{{- define "clawrl.podDefaults" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Container resources; with gpus > 0, nvidia.com/gpu is added to requests and limits. Call with (dict "resources" .resources "gpus" 2). */}}
+{{- define "clawrl.resources" -}}
+{{- $res := deepCopy (.resources | default dict) }}
+{{- if gt (int (.gpus | default 0)) 0 }}
+{{- $_ := set $res "limits" (mustMergeOverwrite (get $res "limits" | default dict) (dict "nvidia.com/gpu" (int .gpus))) }}
+{{- $_ := set $res "requests" (mustMergeOverwrite (get $res "requests" | default dict) (dict "nvidia.com/gpu" (int .gpus))) }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* An init container that downloads a Hugging Face model into the model cache volume unless it is there already (the weights for engines and the trainer, only tokenizer/config files for the gateway and the judge). Call with (dict "root" $ "model" .Values.models.policy "image" <image> "tokenizerOnly" true "name" "fetch-policy-model"). */}}
+{{- define "clawrl.modelFetch" -}}
+{{- if .model.hubId }}
+- name: {{ .name | default "fetch-model" }}
+  image: {{ .image }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - |
+      import os, sys
+      from huggingface_hub import snapshot_download
+      target = os.path.join("/models", sys.argv[1])
+      patterns = ["*.json", "*.jinja", "*.model", "*.txt"] if sys.argv[3] == "true" else None
+      snapshot_download(sys.argv[2], local_dir=target, allow_patterns=patterns)
+    - {{ .model.name | quote }}
+    - {{ .model.hubId | quote }}
+    - {{ .tokenizerOnly | default false | quote }}
+  env:
+    - name: HF_HOME
+      value: /models/.hf-home
+    {{- if .root.Values.models.hfTokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ .root.Values.models.hfTokenSecret }}
+          key: HF_TOKEN
+    {{- end }}
+  securityContext:
+    {{- toYaml .root.Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml .root.Values.models.fetchResources | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+{{- end }}
+{{- end }}
+
+{{/* The model cache volume (a PVC shared by every pod that reads a model). */}}
+{{- define "clawrl.modelsVolume" -}}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.volumes.models.existingClaim | default (include "clawrl.componentName" (dict "root" . "component" "models")) }}
+{{- end }}
+
+{{/* The shared checkpoint volume (trainer writes vN, engines read it). */}}
+{{- define "clawrl.checkpointsVolume" -}}
+- name: checkpoints
+  persistentVolumeClaim:
+    claimName: {{ .Values.volumes.checkpoints.existingClaim | default (include "clawrl.componentName" (dict "root" . "component" "checkpoints")) }}
+{{- end }}
+
+{{/* An SGLang engine (policy or judge): a Deployment running `clawrl-engine --backend sglang`, which execs SGLang's launcher. Call with (dict "root" $ "component" "policy-engine" "values" .Values.policyEngine "model" .Values.models.policy "checkpoints" true). */}}
+{{- define "clawrl.engineDeployment" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $image := include "clawrl.image" (dict "root" $root "image" $v.image) }}
+{{- $settings := dict
+  "model" (dict "path" (printf "/models/%s" .model.name))
+  "engine" (dict "host" "0.0.0.0" "port" 30000 "backend" "sglang")
+  "sglang" (dict "tp_size" $v.tensorParallel "enable_metrics" true) }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "clawrl.componentName" . }}
+  labels:
+    {{- include "clawrl.labels" . | nindent 4 }}
+spec:
+  replicas: {{ $v.replicas }}
+  # A new pod needs the GPUs the old one holds: replace, never surge.
+  strategy:
+    type: Recreate
+  selector:
+    matchLabels:
+      {{- include "clawrl.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "clawrl.labels" . | nindent 8 }}
+    spec:
+      {{- include "clawrl.podDefaults" $root | nindent 6 }}
+      {{- include "clawrl.gpuPlacement" (dict "root" $root "values" $v) | nindent 6 }}
+      initContainers:
+        {{- include "clawrl.modelFetch" (dict "root" $root "model" .model "image" $image "tokenizerOnly" false) | nindent 8 }}
+      containers:
+        - name: sglang
+          image: {{ $image }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          ports:
+            - name: http
+              containerPort: 30000
+          env:
+            - name: HF_HOME
+              value: /models/.hf-home
+            {{- include "clawrl.env" (dict "root" $root "settings" $settings "values" $v) | nindent 12 }}
+          # Loading (and compiling) a large model takes minutes: the startup probe allows it,
+          # and only after it passes do the other probes start.
+          startupProbe:
+            httpGet:
+              path: /health
+              port: http
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: {{ $v.startupFailureThreshold }}
+          # Liveness is a TCP connect: an HTTP check that queues behind a weight update or a long
+          # batch would restart a healthy engine mid-load.
+          livenessProbe:
+            tcpSocket:
+              port: http
+            periodSeconds: 20
+            failureThreshold: 6
+          readinessProbe:
+            httpGet:
+              path: /health
+              port: http
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 3
+          resources:
+            {{- include "clawrl.resources" (dict "resources" $v.resources "gpus" $v.gpus) | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: models
+              mountPath: /models
+            - name: dshm
+              mountPath: /dev/shm
+            {{- if .checkpoints }}
+            # New policy versions arrive here (/update_weights_from_disk reads them).
+            - name: checkpoints
+              mountPath: /checkpoints
+              readOnly: true
+            {{- end }}
+      volumes:
+        {{- include "clawrl.modelsVolume" $root | nindent 8 }}
+        {{- if .checkpoints }}
+        {{- include "clawrl.checkpointsVolume" $root | nindent 8 }}
+        {{- end }}
+        # NCCL between tensor-parallel ranks needs far more shared memory than the 64 MiB default.
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $v.shmSize }}
+{{- end }}
+
+{{/* The ClusterIP Service of an engine (SGLang API and /metrics on port 30000). */}}
+{{- define "clawrl.engineService" -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "clawrl.componentName" . }}
+  labels:
+    {{- include "clawrl.labels" . | nindent 4 }}
+spec:
+  type: ClusterIP
+  selector:
+    {{- include "clawrl.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: http
+      port: 30000
+      targetPort: http
+{{- end }}
+
+{{/* A ServiceMonitor scraping /metrics of a component's Service port. Call with (dict "root" $ "component" "gateway" "port" "http"). */}}
+{{- define "clawrl.serviceMonitor" -}}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "clawrl.componentName" . }}
+  labels:
+    {{- include "clawrl.labels" . | nindent 4 }}
+    {{- with .root.Values.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "clawrl.selectorLabels" . | nindent 6 }}
+  endpoints:
+    - port: {{ .port }}
+      path: /metrics
+      interval: {{ .root.Values.serviceMonitor.interval }}
+      scrapeTimeout: {{ .root.Values.serviceMonitor.scrapeTimeout }}
+{{- end }}
+
+{{/* A NetworkPolicy peer matching every pod of this release. */}}
+{{- define "clawrl.releasePods" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "clawrl.name" . }}
+      app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPort" 30000); metricsPort may be omitted. */}}
+{{- define "clawrl.internalNetworkPolicy" -}}
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: {{ include "clawrl.componentName" . }}
+  labels:
+    {{- include "clawrl.labels" . | nindent 4 }}
+spec:
+  podSelector:
+    matchLabels:
+      {{- include "clawrl.selectorLabels" . | nindent 6 }}
+  policyTypes: [Ingress]
+  ingress:
+    - from:
+        {{- include "clawrl.releasePods" .root | nindent 8 }}
+      {{- with .ports }}
+      ports:
+        {{- range . }}
+        - port: {{ . }}
+        {{- end }}
+      {{- end }}
+    {{- if and .metricsPort .root.Values.networkPolicy.scrapeFrom }}
+    - from:
+        {{- toYaml .root.Values.networkPolicy.scrapeFrom | nindent 8 }}
+      ports:
+        - port: {{ .metricsPort }}
+    {{- end }}
+{{- end }}
+
+{{/* The weight-sync Job's spec: pause every gateway replica, load the newest announced policy version into the policy engine, resume. The trainer instantiates it (ConfigMap <release>-weight-sync) and the suspended CronJob carries the same spec. */}}
+{{- define "clawrl.weightSyncJobSpec" -}}
+{{- $ctx := dict "root" . "component" "weight-sync" }}
+{{- $v := .Values.weightSync }}
+{{- $settings := dict }}
+backoffLimit: {{ $v.backoffLimit }}
+activeDeadlineSeconds: {{ $v.activeDeadlineSeconds }}
+ttlSecondsAfterFinished: {{ $v.ttlSecondsAfterFinished }}
+template:
+  metadata:
+    labels:
+      {{- include "clawrl.labels" $ctx | nindent 6 }}
+  spec:
+    restartPolicy: Never
+    # It talks to the gateway and the engine only; no Kubernetes API access.
+    automountServiceAccountToken: false
+    {{- include "clawrl.podDefaults" . | nindent 4 }}
+    {{- include "clawrl.cpuPlacement" (dict "root" . "values" $v) | nindent 4 }}
+    containers:
+      - name: weight-sync
+        image: {{ include "clawrl.image" (dict "root" . "image" $v.image) }}
+        imagePullPolicy: {{ .Values.image.pullPolicy }}
+        command: [clawrl-weight-sync]
+        env:
+          {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v) | nindent 10 }}
+        resources:
+          {{- toYaml $v.resources | nindent 10 }}
+        securityContext:
+          {{- toYaml .Values.securityContext | nindent 10 }}
+{{- end }}

@@ -1,0 +1,84 @@
+"""The chart rendered by the real `helm` binary (scripts/install-helm.py puts it in the cache
+directory), as parsed objects, plus the upstream CRD schemas the custom resources must satisfy."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+CHART = REPO / "helm" / "clawrl"
+EXAMPLE_VALUES = sorted((REPO / "deploy").glob("values-*.yaml"))
+CRDS = Path(__file__).parent / "crds"
+
+
+def helm_binary() -> str:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    for candidate in (cache / "clawrl" / "bin" / "helm", shutil.which("helm")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    pytest.fail("helm is not installed: run `python scripts/install-helm.py` (make setup does)")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm_binary(), *args], capture_output=True, text=True, check=False)
+
+
+def render(*values_files: Path, sets: tuple[str, ...] = ()) -> list[dict]:
+    """`helm template` of the chart as a list of objects; fails the test when helm does."""
+    args = ["template", "clawrl", str(CHART), "--namespace", "ml"]
+    for path in values_files:
+        args += ["-f", str(path)]
+    for item in sets:
+        args += ["--set", item]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.load_all(result.stdout, Loader=yaml.CSafeLoader) if doc]
+
+
+@pytest.fixture(scope="session")
+def default_objects() -> list[dict]:
+    """The chart with its default values, ServiceMonitors switched on."""
+    return render(sets=("serviceMonitor.enabled=true",))
+
+
+@pytest.fixture(scope="session")
+def crd_schema() -> Callable[[str, str], dict]:
+    """`crd_schema(kind, version)`: the openAPIV3Schema of an upstream CRD kept in crds/."""
+    schemas = {}
+    for path in CRDS.glob("*.yaml.gz"):
+        # libyaml's loader: the RayJob CRD is 1.4 MB of YAML (30 s with the pure-Python one).
+        crd = yaml.load(gzip.decompress(path.read_bytes()), Loader=yaml.CSafeLoader)
+        for version in crd["spec"]["versions"]:
+            schemas[(crd["spec"]["names"]["kind"], version["name"])] = version["schema"][
+                "openAPIV3Schema"
+            ]
+    return lambda kind, version: schemas[(kind, version)]
+
+
+def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:
+    """Every pod spec an object creates, with a name saying where it sits."""
+    kind = obj["kind"]
+    name = obj["metadata"].get("name") or obj["metadata"]["generateName"]
+    spec = obj.get("spec", {})
+    if kind in ("Deployment", "StatefulSet", "Job"):
+        yield f"{kind}/{name}", spec["template"]["spec"]
+    elif kind == "CronJob":
+        yield f"{kind}/{name}", spec["jobTemplate"]["spec"]["template"]["spec"]
+    elif kind == "RayJob":
+        cluster = spec["rayClusterSpec"]
+        yield f"{kind}/{name}/head", cluster["headGroupSpec"]["template"]["spec"]
+        for group in cluster.get("workerGroupSpecs", []):
+            yield f"{kind}/{name}/{group['groupName']}", group["template"]["spec"]
+        if "submitterPodTemplate" in spec:
+            yield f"{kind}/{name}/submitter", spec["submitterPodTemplate"]["spec"]
+    elif kind == "ConfigMap" and "job.yaml" in obj.get("data", {}):
+        yield from pod_specs(yaml.safe_load(obj["data"]["job.yaml"]))

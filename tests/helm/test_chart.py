@@ -1,0 +1,311 @@
+"""The chart, checked by the real tools: `helm lint`, `helm template` with the default values and
+every example values file, each rendered object validated against Kubernetes' own schemas (1.30
+and the newest known) and the custom resources against their operators' CRD schemas."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from yamllint import linter
+from yamllint.config import YamlLintConfig
+
+from tests.helm.conftest import CHART, EXAMPLE_VALUES, helm, pod_specs, render
+
+KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+CUSTOM = {("ray.io/v1", "RayJob"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+VALUES_FILES = [None, *EXAMPLE_VALUES]
+
+
+def values_id(path: Path | None) -> str:
+    return "default" if path is None else path.name
+
+
+def objects_for(path: Path | None) -> list[dict]:
+    files = () if path is None else (path,)
+    return render(*files, sets=("serviceMonitor.enabled=true",))
+
+
+def test_there_is_an_example_values_file() -> None:
+    assert EXAMPLE_VALUES, "deploy/values-*.yaml: at least the multi-node example"
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+def test_helm_lint_strict(values: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART)] + ([] if values is None else ["-f", str(values)])
+    result = helm(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+def test_every_object_is_valid_kubernetes(values: Path | None) -> None:
+    objects = objects_for(values)
+    builtin = [o for o in objects if (o["apiVersion"], o["kind"]) not in CUSTOM]
+    # The weight-sync Job lives as text in a ConfigMap: it must be a valid Job too.
+    builtin += [
+        yaml.safe_load(o["data"]["job.yaml"])
+        for o in objects
+        if o["kind"] == "ConfigMap" and "job.yaml" in o.get("data", {})
+    ]
+    errors = []
+    for version in KUBERNETES_VERSIONS:
+        for obj in builtin:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                errors.append(f"{version} {obj['kind']}/{obj['metadata'].get('name')}: {exc}")
+    assert not errors, "\n".join(errors)
+
+
+def test_the_validator_rejects_an_unknown_field(default_objects: list[dict]) -> None:
+    deployment = copy.deepcopy(next(o for o in default_objects if o["kind"] == "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["gpuCount"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.30.0", strict=True)
+
+
+def strict(schema: dict) -> dict:
+    """A CRD schema that also rejects unknown fields, as the API server's strict field
+    validation does (objects keep unknown fields only where the CRD preserves them)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+                and "additionalProperties" not in node
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def crd_errors(obj: dict, schema: dict) -> list[str]:
+    validator = jsonschema.Draft7Validator(strict(schema))
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
+    ]
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+def test_custom_resources_match_their_operators_crds(
+    values: Path | None, crd_schema: Callable[[str, str], dict]
+) -> None:
+    objects = objects_for(values)
+    custom = [o for o in objects if (o["apiVersion"], o["kind"]) in CUSTOM]
+    assert {o["kind"] for o in custom} == {"RayJob", "ServiceMonitor"}
+    for obj in custom:
+        schema = crd_schema(obj["kind"], obj["apiVersion"].split("/")[1])
+        assert not crd_errors(obj, schema), f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_the_crd_check_rejects_a_misspelt_field(
+    default_objects: list[dict], crd_schema: Callable[[str, str], dict]
+) -> None:
+    rayjob = copy.deepcopy(next(o for o in default_objects if o["kind"] == "RayJob"))
+    rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replica"] = 1
+    assert crd_errors(rayjob, crd_schema("RayJob", "v1"))
+
+
+def gpu_pods(objects: list[dict]) -> dict[str, tuple[int, dict, list]]:
+    """GPU pods: name -> (GPUs of all its replicas, nodeSelector, tolerations)."""
+    found = {}
+    for obj in objects:
+        for where, spec in pod_specs(obj):
+            gpus = sum(
+                int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+                for c in spec["containers"]
+            )
+            if not gpus:
+                continue
+            if obj["kind"] == "RayJob":
+                group = obj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+                replicas = group["replicas"]
+            else:
+                replicas = obj["spec"].get("replicas", 1)
+            found[where] = (gpus * replicas, spec.get("nodeSelector"), spec.get("tolerations"))
+    return found
+
+
+def test_default_gpus_are_4_2_2_on_one_node_selector(default_objects: list[dict]) -> None:
+    pods = gpu_pods(default_objects)
+    assert {where: gpus for where, (gpus, _, _) in pods.items()} == {
+        "RayJob/clawrl-trainer/gpu": 4,
+        "Deployment/clawrl-policy-engine": 2,
+        "Deployment/clawrl-judge-engine": 2,
+    }
+    assert sum(gpus for gpus, _, _ in pods.values()) == 8
+    selectors = {yaml.safe_dump(sel) for _, sel, _ in pods.values()}
+    tolerations = {yaml.safe_dump(tol) for _, _, tol in pods.values()}
+    assert len(selectors) == 1 and len(tolerations) == 1
+    assert next(iter(pods.values()))[1]  # a real selector, not an empty one
+
+
+def test_a_component_can_move_to_its_own_nodes() -> None:
+    objects = render(sets=("judgeEngine.nodeSelector.pool=judge",))
+    pods = gpu_pods(objects)
+    assert pods["Deployment/clawrl-judge-engine"][1] == {"pool": "judge"}
+    assert pods["Deployment/clawrl-policy-engine"][1] == {"nvidia.com/gpu.present": "true"}
+
+
+def effective(spec: dict, container: dict, key: str):
+    return container.get("securityContext", {}).get(key, spec.get("securityContext", {}).get(key))
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+def test_no_container_runs_as_root_or_privileged(values: Path | None) -> None:
+    checked = 0
+    for obj in objects_for(values):
+        for where, spec in pod_specs(obj):
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                name = f"{where}/{container['name']}"
+                assert effective(spec, container, "runAsNonRoot") is True, name
+                assert effective(spec, container, "runAsUser") not in (None, 0), name
+                assert effective(spec, container, "privileged") is not True, name
+                assert effective(spec, container, "allowPrivilegeEscalation") is False, name
+                assert container.get("resources", {}).get("requests"), f"{name}: no requests"
+                assert container["resources"].get("limits"), f"{name}: no limits"
+                checked += 1
+    assert checked >= 9  # gateway, 2 engines (+ fetches), judge, trainer x3, sync x2, redis
+
+
+def test_every_object_has_the_standard_labels(default_objects: list[dict]) -> None:
+    for obj in default_objects:
+        labels = obj["metadata"].get("labels", {})
+        for key in ("name", "instance", "component", "version", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels, f"{obj['kind']}/{obj['metadata']}"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("policyEngine.gpus=-1",), "/policyEngine/gpus"),
+        (("trainer.workers.gpus=-4",), "/trainer/workers/gpus"),
+        (("judge.mode=vibes",), "/judge/mode"),
+        (("trainer.estimator=ppo2",), "/trainer/estimator"),
+        (("redis.mode=cluster",), "/redis/mode"),
+        (("models.policy.name=",), "/models/policy/name"),
+        (("models.judge=null",), "models"),
+        (("redis.mode=external",), "/redis/externalUrl"),
+        (("gateway.replicaz=3",), "replicaz"),
+        (("podSecurityContext.runAsNonRoot=false",), "runAsNonRoot"),
+    ],
+)
+def test_the_schema_rejects_bad_values(sets: tuple[str, ...], message: str) -> None:
+    result = helm("template", "clawrl", str(CHART), *[a for s in sets for a in ("--set", s)])
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_networkpolicies_keep_control_and_data_inside(default_objects: list[dict]) -> None:
+    policies = {
+        o["metadata"]["name"]: o["spec"] for o in default_objects if o["kind"] == "NetworkPolicy"
+    }
+    gateway = policies["clawrl-gateway"]["ingress"]
+    # Serving: open to everyone (no `from`), port 30000 only.
+    public = [rule for rule in gateway if "from" not in rule]
+    assert [[p["port"] for p in rule["ports"]] for rule in public] == [[30000]]
+    # Control: only the trainer and the weight-sync job.
+    (control,) = [rule for rule in gateway if "from" in rule]
+    assert [p["port"] for p in control["ports"]] == [30001]
+    components = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for peer in control["from"]
+    }
+    assert components == {"trainer", "weight-sync"}
+    redis = policies["clawrl-redis"]["ingress"]
+    assert redis == [
+        {
+            "from": [
+                {
+                    "podSelector": {
+                        "matchLabels": {
+                            "app.kubernetes.io/name": "clawrl",
+                            "app.kubernetes.io/instance": "clawrl",
+                        }
+                    }
+                }
+            ],
+            "ports": [{"port": 6379}],
+        }
+    ]
+    # Every pod that serves something is covered by a policy.
+    selected = {
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policies.values()
+    }
+    assert selected >= {"gateway", "policy-engine", "judge-engine", "judge", "redis", "trainer"}
+
+
+def test_the_weight_sync_template_and_cronjob_share_one_job_spec(
+    default_objects: list[dict],
+) -> None:
+    by_kind = {(o["kind"], o["metadata"]["name"]): o for o in default_objects}
+    template = yaml.safe_load(by_kind[("ConfigMap", "clawrl-weight-sync")]["data"]["job.yaml"])
+    cronjob = by_kind[("CronJob", "clawrl-weight-sync")]
+    assert cronjob["spec"]["suspend"] is True
+    assert template["kind"] == "Job" and template["metadata"]["namespace"] == "ml"
+    assert template["spec"] == cronjob["spec"]["jobTemplate"]["spec"]
+    head = by_kind[("RayJob", "clawrl-trainer")]["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert head["template"]["spec"]["serviceAccountName"] == "clawrl-trainer"
+    role = by_kind[("Role", "clawrl-trainer")]
+    jobs = next(rule for rule in role["rules"] if rule["resources"] == ["jobs"])
+    assert {"create", "watch"} <= set(jobs["verbs"])
+
+
+def test_settings_reach_containers_as_environment(default_objects: list[dict]) -> None:
+    objects = render(sets=("gateway.settings.sessions.idle_timeout_s=30",))
+    gateway = next(
+        o
+        for o in objects
+        if o["metadata"]["name"] == "clawrl-gateway" and o["kind"] == "Deployment"
+    )
+    env = {
+        e["name"]: e.get("value")
+        for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["CLAWRL_SESSIONS__IDLE_TIMEOUT_S"] == "30"
+    assert env["CLAWRL_SERVING__ENGINE_URL"] == "http://clawrl-policy-engine:30000"
+    assert env["CLAWRL_REDIS__URL"] == "redis://clawrl-redis:6379/0"
+    assert env["CLAWRL_LOGGING__FORMAT"] == "json"
+
+
+def test_external_redis_replaces_the_statefulset() -> None:
+    objects = render(sets=("redis.mode=external", "redis.externalUrl=redis://r.example:6379/2"))
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    urls = {
+        e["value"]
+        for o in objects
+        for _, spec in pod_specs(o)
+        for c in spec["containers"]
+        for e in c.get("env", [])
+        if e["name"] == "CLAWRL_REDIS__URL"
+    }
+    assert urls == {"redis://r.example:6379/2"}
+
+
+def test_hand_written_yaml_passes_yamllint() -> None:
+    config = YamlLintConfig(file=str(CHART.parents[1] / ".yamllint.yaml"))
+    files = [
+        CHART / "values.yaml",
+        CHART / "Chart.yaml",
+        *CHART.parents[1].glob("deploy/**/*.yaml"),
+    ]
+    problems = [
+        f"{path.relative_to(CHART.parents[1])}:{p.line}: {p.message}"
+        for path in files
+        for p in linter.run(path.read_text(), config, str(path))
+    ]
+    assert not problems, "\n".join(problems)
