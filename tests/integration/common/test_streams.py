@@ -134,3 +134,18 @@ async def test_version_announcements_round_trip(redis: Redis):
     assert await latest(redis, stream) == VersionReady(2, "/ckpt/policy/v2", 8, 2.5)
     with pytest.raises(ValueError, match="malformed"):
         VersionReady.from_fields({b"path": b"/x"})
+
+
+async def test_a_restarted_consumer_reads_its_own_pending_entries_first(redis: Redis) -> None:
+    stream = f"own-{uuid.uuid4().hex}"
+    first = consumer(redis, stream, "c")
+    await first.ensure_group()
+    await fill(redis, stream, 3)
+    taken = await first.read(2)
+    assert [e.record_id for e in taken] == ["s:0", "s:1"]
+    await first.ack(taken[0].entry_id)
+    # Same name after a restart: its unacknowledged entry comes back at once, not after idling.
+    again = consumer(redis, stream, "c", claim_idle_ms=3_600_000)
+    assert [e.record_id for e in await again.read_own_pending(10)] == ["s:1"]
+    assert [e.record_id for e in await again.read(10, block_ms=10)] == ["s:2"]
+    assert await consumer(redis, stream, "other").read_own_pending(10) == []

@@ -95,6 +95,24 @@ class GroupConsumer:
                 entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
         return entries
 
+    async def read_own_pending(self, count: int) -> list[Entry]:
+        """Up to `count` entries this consumer was given but never acknowledged, oldest first:
+        a restart under the same consumer name takes its work back at once, without waiting
+        `claim_idle_ms`. Entries trimmed from the stream meanwhile are acknowledged."""
+        entries: list[Entry] = []
+        cursor = "0-0"
+        while len(entries) < count:
+            reply = await self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: cursor}, count=count - len(entries)
+            )
+            items = [item for _stream, batch in reply or [] for item in batch]
+            if not items:
+                break
+            cursor = _text(items[-1][0])
+            entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
+            await self.ack(*[_text(eid) for eid, fields in items if not fields])
+        return entries
+
     async def claim(self, count: int) -> list[Entry]:
         """XAUTOCLAIM entries pending on other consumers for longer than `claim_idle_ms`.
         Entries claimed more than `max_deliveries` times are dead-lettered here, not returned."""

@@ -149,8 +149,20 @@ class CheckpointSettings(Section):
     sync_interval: int = Field(
         1, gt=0, description="Export policy/v{N} and announce it every this many steps."
     )
+    state_interval: int = Field(
+        1,
+        gt=0,
+        description="Save a resumable state every this many steps (and at every export); a "
+        "step's samples are acknowledged on the stream only once a state includes it.",
+    )
     keep_versions: int = Field(3, gt=0, description="Exported policy versions kept.")
     keep_states: int = Field(2, gt=0, description="Resumable states kept.")
+    hold_before_ack_step: int | None = Field(
+        None,
+        gt=0,
+        description="Fault injection for tests: once the state of this step is durable, block "
+        "before acknowledging its entries (so a test can kill the process right there).",
+    )
     export_path_prefix: str | None = Field(
         None,
         description="How the engines see `dir` when it is mounted elsewhere (announced paths "

@@ -1,0 +1,81 @@
+"""The Ray side of the trainer: where the backend runs and how the driver calls it.
+
+The driver (the trainer process; on Kubernetes the KubeRay RayJob entrypoint) owns the stream,
+the checkpoints' bookkeeping and the step order; the model lives in Ray actors, one per rank.
+Every backend method is called on all ranks at once (model-parallel ranks must take part in
+every collective) and rank 0's result is returned.
+
+Backends: `torch` is one actor holding a `TorchBackend`. `megatron` provides
+`clawrl.trainer.megatron.actors.start_actors(settings) -> list[ActorHandle]` (its placement
+group, one actor per rank), each actor exposing the `backend.TrainerBackend` methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import Any, Protocol
+
+import ray
+
+from clawrl.trainer.settings import RaySettings, TrainerSettings
+from clawrl.trainer.torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+class BackendHandle(Protocol):
+    """How the driver calls a backend: `await handle.call("train_step", batch, cfg)`."""
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class ActorGroup:
+    """A backend spread over Ray actors (one per rank)."""
+
+    def __init__(self, actors: list) -> None:
+        if not actors:
+            raise ValueError("a backend needs at least one actor")
+        self.actors = actors
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result_refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        results = await asyncio.gather(*result_refs)
+        return results[0]
+
+
+class InProcess:
+    """A backend in this process, called from a worker thread (tests and tools; the service
+    always runs under Ray)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.backend, method), *args, **kwargs)
+
+
+def connect(settings: RaySettings) -> None:
+    """Join the Ray cluster (`address` set, e.g. 'auto' in a RayJob) or start a local runtime."""
+    if ray.is_initialized():
+        return
+    if settings.address:
+        ray.init(address=settings.address, log_to_driver=True)
+        log.info("joined the Ray cluster at %s", settings.address)
+    else:
+        ray.init(num_cpus=settings.num_cpus, include_dashboard=False, log_to_driver=True)
+        log.info("started a local Ray runtime")
+
+
+def start_actors(settings: TrainerSettings) -> ActorGroup:
+    """The backend's actors (not loaded yet)."""
+    if settings.train.backend == "megatron":
+        actors = importlib.import_module("clawrl.trainer.megatron.actors")
+        return ActorGroup(actors.start_actors(settings))
+    remote = ray.remote(TorchBackend).options(
+        num_cpus=settings.ray.actor_num_cpus,
+        num_gpus=settings.ray.actor_num_gpus,
+        name=None,
+    )
+    return ActorGroup([remote.remote(settings.train, settings.ppo)])

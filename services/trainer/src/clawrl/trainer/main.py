@@ -1,0 +1,71 @@
+"""`clawrl-trainer`: read the settings (flags override env and clawrl.toml), configure logging,
+run the trainer until SIGTERM/SIGINT (the step in progress commits first).
+
+Locally it starts its own Ray runtime; as a KubeRay RayJob entrypoint it joins the cluster
+(`--ray-address auto`, or ray.address in the settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from clawrl.common.logs import configure_logging
+from clawrl.trainer.service import BackgroundTask, serve
+from clawrl.trainer.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="clawrl-trainer",
+        description="Consumes scored samples and takes PPO-style steps; exports HF checkpoints.",
+    )
+    parser.add_argument("--model", help="base model path or prepared name (model.path)")
+    parser.add_argument("--redis-url", help="Redis URL (redis.url)")
+    parser.add_argument("--checkpoint-dir", help="checkpoint root (checkpoint.dir)")
+    parser.add_argument("--batch-size", type=int, help="rollout.rollout_batch_size")
+    parser.add_argument("--sync-interval", type=int, help="checkpoint.sync_interval")
+    parser.add_argument("--metrics-port", type=int, help="server.metrics_port")
+    parser.add_argument("--ray-address", help="ray.address ('auto' inside a Ray cluster)")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> TrainerSettings:
+    """Settings with the given flags on top of env / TOML / defaults."""
+    return TrainerSettings().with_overrides(
+        {
+            "model": {"path": args.model},
+            "redis": {"url": args.redis_url},
+            "checkpoint": {"dir": args.checkpoint_dir, "sync_interval": args.sync_interval},
+            "rollout": {"rollout_batch_size": args.batch_size},
+            "server": {"metrics_port": args.metrics_port},
+            "ray": {"address": args.ray_address},
+        }
+    )
+
+
+def background_tasks(settings: TrainerSettings) -> list[BackgroundTask]:
+    """Tasks run next to the training loop; each feature adds its one line here."""
+    return []
+
+
+async def run(settings: TrainerSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(settings, stop, background_tasks(settings))
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = settings_from(parse_args(argv))
+    configure_logging(settings.logging, "trainer")
+    asyncio.run(run(settings))
+
+
+if __name__ == "__main__":
+    main()

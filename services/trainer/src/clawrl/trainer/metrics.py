@@ -1,0 +1,89 @@
+"""The trainer's Prometheus metrics, built on a registry made at start. Labels are bounded
+(kinds and reasons); never a session or sample id."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from clawrl.common.metrics import LATENCY_BUCKETS_S
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+DROP_REASONS = ("stale", "duplicate", "invalid", "undecodable")
+
+# Step figures exported as gauges, by the name `policy_objective` / the backend give them.
+STEP_GAUGES = {
+    "loss": "Total loss of the last step.",
+    "pg_loss": "Policy-gradient part of the last step's loss.",
+    "clip_frac": "Fraction of trained tokens whose ratio was clipped in the last step.",
+    "kl_ref": "KL to the reference model in the last step (when kl_coef > 0).",
+    "approx_kl_old": "Mean old_logp - logp over trained tokens in the last step.",
+    "entropy": "Mean policy entropy over trained tokens in the last step (nats).",
+    "grad_norm": "Global gradient norm before clipping in the last step.",
+    "reward_mean": "Mean reward of the last step's samples.",
+    "advantage_mean": "Mean advantage over trained tokens in the last step.",
+    "advantage_std": "Standard deviation of the advantages over trained tokens in the last step.",
+    "old_rollout_abs_diff": "Mean |old_logp - rollout_logp| over trained tokens in the last step.",
+    "tokens_per_second": "Trained tokens (prompt + response) per second of the last step.",
+}
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.steps = Counter("clawrl_trainer_steps_total", "Optimizer steps taken.", registry=r)
+        self.samples_consumed = Counter(
+            "clawrl_trainer_samples_consumed_total",
+            "Samples read from the stream, by kind (trained, masked, dropped).",
+            ["kind"],
+            registry=r,
+        )
+        self.samples_dropped = Counter(
+            "clawrl_trainer_samples_dropped_total",
+            "Samples not trained, by reason (stale, duplicate, invalid, undecodable).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DROP_REASONS:
+            self.samples_dropped.labels(reason)
+        self.tokens = Counter(
+            "clawrl_trainer_tokens_total", "Prompt + response tokens trained.", registry=r
+        )
+        self.step_seconds = Histogram(
+            "clawrl_trainer_step_duration_seconds",
+            "Time of one step, by phase (logprobs, forward_backward, optimizer, checkpoint, "
+            "export, total).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.sample_latency = Histogram(
+            "clawrl_trainer_sample_latency_seconds",
+            "From a sample's XADD to the end of the step that trained it.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "clawrl_trainer_sample_staleness_versions",
+            "Policy versions between a trained sample's sampling policy and the trainer's.",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.policy_version = Gauge(
+            "clawrl_trainer_policy_version", "Latest policy version exported.", registry=r
+        )
+        self.step = Gauge("clawrl_trainer_step", "Optimizer steps since the start.", registry=r)
+        self.step_figures = {
+            name: Gauge(f"clawrl_trainer_{name}", text, registry=r)
+            for name, text in STEP_GAUGES.items()
+        }
+        self.checkpoint_failures = Counter(
+            "clawrl_trainer_checkpoint_failures_total",
+            "Checkpoints or exports that failed (the trainer stops; entries stay pending).",
+            registry=r,
+        )
+
+    def record_step(self, figures: dict[str, float]) -> None:
+        for name, gauge in self.step_figures.items():
+            if name in figures:
+                gauge.set(figures[name])

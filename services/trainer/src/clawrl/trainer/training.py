@@ -1,0 +1,230 @@
+"""One training step, from a collected batch to a durable state, and the loop of steps.
+
+Order of a step (exactly-once rests on it):
+1. old log-probs on the current weights (and reference log-probs when kl_coef > 0);
+2. advantages (pure), then the optimizer step on the backend;
+3. every sync_interval steps: export policy/v{N+1} (staged, then renamed);
+4. every state_interval steps, and on every export: save a state (weights, optimizer, step,
+   policy version, trained ids) and make it durable;
+5. only then XACK the entries of the steps it includes, and announce the new version.
+A crash before 4 replays the steps from the last state with the same entries (still pending);
+a crash between 4 and 5 finds the ids in the state and acknowledges them without training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from redis.asyncio import Redis
+
+from clawrl.common.logs import log_context
+from clawrl.common.streams import GroupConsumer
+from clawrl.common.versions import VersionReady, announce, latest
+from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState
+from clawrl.trainer.driver import BackendHandle
+from clawrl.trainer.intake import Collected, Intake
+from clawrl.trainer.losses import AdvantageInputs, compute_advantages, masked_mean
+from clawrl.trainer.metrics import TrainerMetrics
+from clawrl.trainer.samples import collate
+from clawrl.trainer.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    """What one step did, for the log line, metrics and tests."""
+
+    step: int
+    policy_version: int
+    sample_ids: tuple[str, ...]
+    figures: dict[str, float]
+    exported: bool
+
+
+def batch_figures(batch, old_logp: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+    """Reward/advantage statistics and mean |old - rollout| over trained tokens."""
+    mask = batch.loss_mask
+    adv_mean = masked_mean(advantages, mask)
+    adv_var = masked_mean((advantages - adv_mean).square(), mask)
+    return {
+        "reward_mean": float(batch.reward.mean()),
+        "advantage_mean": float(adv_mean),
+        "advantage_std": float(adv_var.sqrt()),
+        "old_rollout_abs_diff": float(masked_mean((old_logp - batch.rollout_logp).abs(), mask)),
+    }
+
+
+class Trainer:
+    """Drives a backend from collected batches to durable states and announced versions."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        backend: BackendHandle,
+        intake: Intake,
+        consumer: GroupConsumer,
+        store: CheckpointStore,
+        redis: Redis,
+        metrics: TrainerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.intake = intake
+        self.consumer = consumer
+        self.store = store
+        self.redis = redis
+        self.metrics = metrics
+        self.state = TrainerState()
+        self.trained = TrainedIds([], settings.consumer.dedupe_window)
+        self.uncommitted: set[str] = set()  # trained in steps not durable yet
+        self.pending_acks: list[str] = []  # entries of those steps
+        self.unannounced: VersionReady | None = None
+
+    async def resume(self) -> None:
+        """Load the newest durable state, if any, and re-announce its version if needed."""
+        found = self.store.latest_state()
+        if found is None:
+            log.info("no checkpoint in %s: starting from the base model", self.store.root)
+            return
+        state, path = found
+        await self.backend.call("load_state", path)
+        self.state = state
+        self.trained = TrainedIds(state.trained_ids, self.settings.consumer.dedupe_window)
+        self.metrics.policy_version.set(state.policy_version)
+        self.metrics.step.set(state.step)
+        log.info("resumed from %s: step %d, policy version %d, %d trained ids",
+                 path, state.step, state.policy_version, len(state.trained_ids))  # fmt: skip
+        if state.policy_version:
+            announced = await latest(self.redis, self.settings.redis.versions_stream)
+            if announced is None or announced.version < state.policy_version:
+                export = self.store.policies / f"v{state.policy_version}"
+                await self._announce(self._ready(state.policy_version, export))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Take steps until `stop` is set; the step in progress finishes and commits first."""
+        while not stop.is_set():
+            collected = await self.intake.next_batch(
+                self.state.policy_version, self.trained.__contains__, self.uncommitted, stop,
+                block_ms=self.settings.consumer.block_ms,
+            )  # fmt: skip
+            if collected is None:
+                break
+            await self.step(collected)
+        if self.pending_acks:
+            await self.commit()
+
+    async def step(self, collected: Collected) -> StepReport:
+        started = time.perf_counter()
+        version_at_start = self.state.policy_version
+        cfg = self.settings.ppo.loss_config()
+        batch = collate([h.sample for h in collected.held])
+        old_logp = await self.backend.call("compute_logprobs", batch, "policy")
+        ref_logp = None
+        if cfg.kl_coef:
+            ref_logp = await self.backend.call("compute_logprobs", batch, "reference")
+        logprobs_s = time.perf_counter() - started
+        advantages = compute_advantages(
+            AdvantageInputs(
+                reward=batch.reward, old_logp=old_logp, teacher_logp=batch.teacher_logp,
+                has_teacher=batch.has_teacher, mask=batch.loss_mask,
+                group_index=batch.group_index,
+            ),
+            self.settings.advantage_config(),
+        )  # fmt: skip
+        figures = batch_figures(batch, old_logp, advantages)
+        figures |= await self.backend.call(
+            "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
+        )
+        figures["logprobs_s"] = logprobs_s
+        self.state.step += 1
+        self.state.samples_trained += batch.size
+        self.uncommitted.update(batch.sample_ids)
+        self.pending_acks += [h.entry.entry_id for h in collected.held] + collected.ack_with_step
+
+        exported = self.state.step % self.settings.checkpoint.sync_interval == 0
+        if exported:
+            export_started = time.perf_counter()
+            await self.export(self.state.policy_version + 1)
+            figures["export_s"] = time.perf_counter() - export_started
+        if exported or self.state.step % self.settings.checkpoint.state_interval == 0:
+            commit_started = time.perf_counter()
+            await self.commit()
+            figures["checkpoint_s"] = time.perf_counter() - commit_started
+        figures["step_s"] = time.perf_counter() - started
+        tokens = int(batch.lengths.sum())
+        figures["tokens_per_second"] = tokens / figures["step_s"]
+        self._observe(collected, batch, figures, tokens, version_at_start)
+        return StepReport(self.state.step, self.state.policy_version, batch.sample_ids, figures,
+                          exported)  # fmt: skip
+
+    async def export(self, version: int) -> None:
+        """Write policy/v{version}; it is announced once the state that includes it commits."""
+        tmp = self.store.staging(f"v{version}")
+        await self.backend.call("export_hf", tmp)
+        path = self.store.commit_export(tmp, version)
+        self.state.policy_version = version
+        self.unannounced = self._ready(version, path)
+
+    async def commit(self) -> None:
+        """Make a state durable, then acknowledge its entries and announce its version."""
+        self.trained.extend(sorted(self.uncommitted))
+        self.state.trained_ids = self.trained.as_list()
+        tmp = self.store.staging(f"step-{self.state.step:08d}")
+        await self.backend.call("save_state", tmp)
+        self.store.commit_state(tmp, self.state)
+        # Durable: from here a crash finds these ids in the state and never trains them again.
+        if self.state.step == self.settings.checkpoint.hold_before_ack_step:
+            log.warning("holding before XACK of step %d (fault injection)", self.state.step)
+            await asyncio.Event().wait()
+        await self.consumer.ack(*self.pending_acks)
+        self.pending_acks = []
+        self.uncommitted = set()
+        if self.unannounced is not None:
+            await self._announce(self.unannounced)
+            self.unannounced = None
+
+    def _ready(self, version: int, path) -> VersionReady:
+        return VersionReady(version=version, path=self.store.announced_path(path),
+                            step=self.state.step, created_at=time.time())  # fmt: skip
+
+    async def _announce(self, ready: VersionReady) -> None:
+        await announce(self.redis, self.settings.redis.versions_stream, ready)
+        log.info("announced policy version %d at %s", ready.version, ready.path)
+
+    def _observe(
+        self, collected: Collected, batch, figures: dict[str, float], tokens: int, version: int
+    ) -> None:
+        m = self.metrics
+        now = time.time()
+        m.steps.inc()
+        m.step.set(self.state.step)
+        m.policy_version.set(self.state.policy_version)
+        m.tokens.inc(tokens)
+        m.samples_consumed.labels("trained").inc(batch.size)
+        for held in collected.held:
+            m.sample_latency.observe(max(0.0, now - held.xadd_time_s))
+            m.staleness.observe(version - held.sample.policy_version)
+        for phase in ("logprobs", "forward_backward", "optimizer", "checkpoint", "export", "step"):
+            if f"{phase}_s" in figures:
+                m.step_seconds.labels("total" if phase == "step" else phase).observe(
+                    figures[f"{phase}_s"]
+                )
+        m.record_step(figures)
+        with log_context(policy_version=self.state.policy_version):
+            log.info(
+                "step %d: %d samples, %d tokens, loss %.4f, reward %.3f, adv %.3f±%.3f, "
+                "clip %.3f, entropy %.3f, kl %.4f, |old-rollout| %.5f, grad %.3f, %.1f tok/s, "
+                "%.2fs (logp %.2fs, fwd/bwd %.2fs, opt %.2fs)",
+                self.state.step, batch.size, tokens, figures.get("loss", 0.0),
+                figures["reward_mean"], figures["advantage_mean"], figures["advantage_std"],
+                figures.get("clip_frac", 0.0), figures.get("entropy", 0.0),
+                figures.get("kl_ref", 0.0), figures["old_rollout_abs_diff"],
+                figures.get("grad_norm", 0.0), figures["tokens_per_second"], figures["step_s"],
+                figures["logprobs_s"], figures.get("forward_backward_s", 0.0),
+                figures.get("optimizer_s", 0.0),
+            )  # fmt: skip
