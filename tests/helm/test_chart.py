@@ -5,6 +5,8 @@ and the newest known) and the custom resources against their operators' CRD sche
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,10 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+from clawrl.engine.settings import EngineSettings
+from clawrl.gateway.settings import GatewaySettings
+from clawrl.judge.settings import JudgeSettings
+from clawrl.trainer.settings import TrainerSettings
 from tests.helm.conftest import CHART, EXAMPLE_VALUES, helm, pod_specs, render
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -26,7 +32,9 @@ def values_id(path: Path | None) -> str:
     return "default" if path is None else path.name
 
 
+@functools.cache
 def objects_for(path: Path | None) -> list[dict]:
+    """Rendered once per values file (tests copy before they change anything)."""
     files = () if path is None else (path,)
     return render(*files, sets=("serviceMonitor.enabled=true",))
 
@@ -309,3 +317,50 @@ def test_hand_written_yaml_passes_yamllint() -> None:
         for p in linter.run(path.read_text(), config, str(path))
     ]
     assert not problems, "\n".join(problems)
+
+
+SERVICE_SETTINGS = {
+    ("Deployment", "clawrl-gateway", "gateway"): GatewaySettings,
+    ("Deployment", "clawrl-policy-engine", "sglang"): EngineSettings,
+    ("Deployment", "clawrl-judge-engine", "sglang"): EngineSettings,
+    ("Deployment", "clawrl-judge", "judge"): JudgeSettings,
+    ("RayJob", "clawrl-trainer/head", "ray-head"): TrainerSettings,
+    ("RayJob", "clawrl-trainer/gpu", "ray-worker"): TrainerSettings,
+}
+
+
+def container_env(objects: list[dict], kind: str, where: str, container: str) -> dict[str, str]:
+    for obj in objects:
+        for name, spec in pod_specs(obj):
+            if name == f"{kind}/{where}":
+                (c,) = [c for c in spec["containers"] if c["name"] == container]
+                return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    raise AssertionError(f"no {kind}/{where}/{container}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "where", "container"), list(SERVICE_SETTINGS), ids=lambda x: str(x)
+)
+def test_each_service_builds_its_settings_from_the_rendered_environment(
+    kind: str,
+    where: str,
+    container: str,
+    default_objects: list[dict],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The chart's CLAWRL_* variables are what the real settings classes accept: a misspelt
+    field fails validation, and a section the service does not have is caught here (the
+    settings would ignore it)."""
+    settings_cls = SERVICE_SETTINGS[(kind, where, container)]
+    env = container_env(default_objects, kind, where, container)
+    for name in [n for n in os.environ if n.startswith("CLAWRL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_CONFIG", str(tmp_path / "none.toml"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    sections = {n.removeprefix("CLAWRL_").split("__")[0].lower() for n in env if "__" in n}
+    assert sections <= set(settings_cls.model_fields), sections - set(settings_cls.model_fields)
+    settings = settings_cls()
+    assert settings.logging.format == "json"
+    assert str(settings.model.path).startswith("/models/")

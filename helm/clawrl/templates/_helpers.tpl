@@ -54,9 +54,12 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end }}
 
-{{/* clawrl settings as environment variables CLAWRL_<SECTION>__<FIELD>: the shared ones, then the component's computed ones, then the component's `settings` value on top; then the component's raw `env` list. Call with (dict "root" $ "settings" (dict "model" (dict "path" "/models/x")) "values" .Values.gateway). */}}
+{{/* clawrl settings as environment variables CLAWRL_<SECTION>__<FIELD>: the shared ones (logging; redis.url with "redis" true), then the component's computed ones, then the component's `settings` value on top; then the component's raw `env` list. Call with (dict "root" $ "settings" (dict "model" (dict "path" "/models/x")) "values" .Values.gateway "redis" true). */}}
 {{- define "clawrl.env" -}}
-{{- $shared := dict "logging" (dict "level" .root.Values.logLevel "format" "json") "redis" (dict "url" (include "clawrl.redisUrl" .root)) }}
+{{- $shared := dict "logging" (dict "level" .root.Values.logLevel "format" "json") }}
+{{- if .redis }}
+{{- $_ := set $shared "redis" (dict "url" (include "clawrl.redisUrl" .root)) }}
+{{- end }}
 {{- $all := mustMergeOverwrite $shared (deepCopy (.settings | default dict)) (deepCopy (.values.settings | default dict)) }}
 {{- range $section := keys $all | sortAlpha }}
 {{- $fields := get $all $section }}
@@ -361,7 +364,7 @@ template:
         imagePullPolicy: {{ .Values.image.pullPolicy }}
         command: [clawrl-weight-sync]
         env:
-          {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v) | nindent 10 }}
+          {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | nindent 10 }}
         resources:
           {{- toYaml $v.resources | nindent 10 }}
         securityContext:
