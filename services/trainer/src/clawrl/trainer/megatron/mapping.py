@@ -25,6 +25,7 @@ class Replicated:
     """Same tensor on every rank."""
 
     hf: str
+    partition_dim = None
 
     def shard(self, hf: Tensors, rank: int, tp: int) -> torch.Tensor:
         return hf[self.hf]
@@ -40,6 +41,10 @@ class Split:
     hf: str
     dim: int
 
+    @property
+    def partition_dim(self) -> int:
+        return self.dim
+
     def shard(self, hf: Tensors, rank: int, tp: int) -> torch.Tensor:
         return hf[self.hf].chunk(tp, dim=self.dim)[rank]
 
@@ -54,6 +59,7 @@ class VocabRows:
     hf: str
     vocab: int
     padded: int
+    partition_dim = 0
 
     def shard(self, hf: Tensors, rank: int, tp: int) -> torch.Tensor:
         full = hf[self.hf]
@@ -75,6 +81,7 @@ class FusedQKV:
     heads: int
     groups: int
     head_dim: int
+    partition_dim = 0
 
     def _interleave(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         rest = q.shape[1:]
@@ -106,6 +113,7 @@ class FusedGateUp:
 
     gate: str
     up: str
+    partition_dim = 0
 
     def shard(self, hf: Tensors, rank: int, tp: int) -> torch.Tensor:
         return torch.cat([hf[self.gate].chunk(tp)[rank], hf[self.up].chunk(tp)[rank]])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.trainer.megatron.layout import ModelShape, rope_inv_freq
-from clawrl.trainer.megatron.mapping import Tensors, hf_to_megatron
+from clawrl.trainer.megatron.mapping import Tensors, hf_to_megatron, parameter_rules
 
 
 def transformer_config(shape: ModelShape, tp: int, dtype: torch.dtype, on_gpu: bool):
@@ -84,8 +84,16 @@ def load_hf_weights(model: torch.nn.Module, hf: Tensors, shape: ModelShape, rank
                     f"{name}: model {tuple(params[name].shape)} vs {tuple(tensor.shape)}"
                 )
             params[name].copy_(tensor)
+    mark_tensor_parallel(model, shape, tp)
 
 
-def local_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameter slices by Megatron name, detached."""
-    return {name: param.detach() for name, param in model.named_parameters()}
+def mark_tensor_parallel(model: torch.nn.Module, shape: ModelShape, tp: int) -> None:
+    """Set Megatron's TP attributes on every parameter. Megatron sets them only while
+    initialising weights, which is skipped (they are loaded); its grad norm and optimizer read
+    them to count a sharded parameter on every rank and a replicated one once."""
+    rules = parameter_rules(shape, tp)
+    for name, param in model.named_parameters():
+        dim = rules[name].partition_dim
+        param.tensor_model_parallel = dim is not None
+        param.partition_dim = -1 if dim is None else dim
+        param.partition_stride = 1
