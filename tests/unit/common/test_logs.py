@@ -34,3 +34,12 @@ def test_text_format_is_one_readable_line() -> None:
     line = stream.getvalue().strip()
     assert "WARNING gateway engine slow" in line
     assert "session_id=abc" in line
+
+
+def test_private_record_attributes_are_left_out() -> None:
+    # Ray's driver adds _ray_timestamp_ns to every record; it is noise in both formats.
+    for fmt in ("text", "json"):
+        stream = capture(fmt)
+        logging.getLogger("x").info("step", extra={"_ray_timestamp_ns": 1, "step": 3})
+        assert "_ray_timestamp_ns" not in stream.getvalue()
+        assert "step" in stream.getvalue()

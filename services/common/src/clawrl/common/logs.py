@@ -46,7 +46,8 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-# color_message: uvicorn's ANSI-coloured copy of the message.
+# color_message: uvicorn's ANSI-coloured copy of the message. Keys starting with "_" (e.g.
+# Ray's _ray_timestamp_ns) are private to the library that set them and left out too.
 _RESERVED = set(logging.makeLogRecord({}).__dict__) | {
     "message",
     "asctime",
@@ -68,7 +69,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         for key, value in record.__dict__.items():
-            if key not in _RESERVED and value is not None:
+            if key not in _RESERVED and value is not None and not key.startswith("_"):
                 entry[key] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
@@ -82,7 +83,7 @@ class TextFormatter(logging.Formatter):
         extras = " ".join(
             f"{key}={value}"
             for key, value in record.__dict__.items()
-            if key not in _RESERVED and value is not None
+            if key not in _RESERVED and value is not None and not key.startswith("_")
         )
         line = (
             f"{time.strftime('%H:%M:%S', time.localtime(record.created))} "

@@ -13,6 +13,7 @@ import logging
 import signal
 
 from clawrl.common.logs import configure_logging
+from clawrl.trainer.driver import connect
 from clawrl.trainer.service import BackgroundTask, serve
 from clawrl.trainer.settings import TrainerSettings
 
@@ -55,6 +56,8 @@ def background_tasks(settings: TrainerSettings) -> list[BackgroundTask]:
 
 async def run(settings: TrainerSettings) -> None:
     stop = asyncio.Event()
+    # Ray's driver installs its own SIGTERM handler: join or start Ray first, then ours.
+    connect(settings.ray)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from clawrl.trainer.backend import TrainBatch, Which, micro_batches, response_rows
 from clawrl.trainer.backend import response_targets as targets_of
@@ -67,6 +68,7 @@ class TorchBackend:
         self.reference = None
         self.optimizer: torch.optim.Optimizer | None = None
         torch.manual_seed(train.seed)
+        hf_logging.disable_progress_bar()  # per-load/save bars flood a service's log
 
     # --- loading ---------------------------------------------------------------------------------
 
