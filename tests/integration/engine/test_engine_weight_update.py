@@ -3,6 +3,10 @@ checkpoint is refused and the old weights keep serving."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import httpx
 import pytest
 import torch
@@ -11,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 
-from .helpers import TIMEOUT, greedy, metric
+from .helpers import TIMEOUT, generate, greedy, metric
 
 pytestmark = pytest.mark.integration
 
@@ -98,27 +102,95 @@ def test_update_bad_checkpoints_and_restore(url, original, tmp_path):
     assert restored["meta_info"]["weight_version"] == "2"
 
 
-def test_weight_update_while_generating_swaps_between_steps(url, original, tmp_path):
-    """A long generation keeps going across an update; the swap reports it as paused."""
-    import threading
-    import time
+def current_version(url: str) -> str:
+    return httpx.get(f"{url}/get_model_info", timeout=TIMEOUT).json()["weight_version"]
 
-    result: dict = {}
-    body = {
-        "input_ids": PROMPT_IDS,
-        "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True},
+
+def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: t + 0.5 * t.std() * torch.randn(t.shape, generator=generator)
+        for name, t in original.items()
     }
-    worker = threading.Thread(
-        target=lambda: result.update(
-            httpx.post(f"{url}/generate", json=body, timeout=TIMEOUT).json()
-        )
-    )
+
+
+LONG = 300  # tokens: long enough that the update surely arrives mid-generation
+
+
+def long_body(input_ids: list[int], max_new_tokens: int = LONG) -> dict:
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def test_an_update_waits_for_the_running_generation(url, original, tmp_path):
+    """Different weights arrive mid-generation: the generation finishes on the weights it
+    started with and reports their version; the update is applied after it, and then serves."""
+    old_version = current_version(url)
+    alone = generate(url, **long_body(PROMPT_IDS))  # the old weights' answer, uninterrupted
+    new_weights = save(tmp_path, "w", perturbed(original, 1))
+    result: dict = {}
+
+    def run() -> None:
+        result["reply"] = generate(url, **long_body(PROMPT_IDS))
+        result["done_at"] = time.monotonic()
+
+    worker = threading.Thread(target=run)
     worker.start()
     while metric(url, "sglang:num_running_reqs") < 1 and worker.is_alive():
         time.sleep(0.01)
-    response = update(url, save(tmp_path, "again", original), "3")
-    worker.join(timeout=60)
+    posted_at = time.monotonic()
+    response = update(url, new_weights, "new")
+    updated_at = time.monotonic()
+    worker.join(timeout=120)
+    assert response.json() == {
+        "success": True,
+        "message": response.json()["message"],
+        "num_paused_requests": 0,
+    }
+    assert posted_at < result["done_at"] <= updated_at  # asked during it, applied after it
+    reply = result["reply"]
+    assert reply["meta_info"]["weight_version"] == old_version
+    assert reply["output_ids"] == alone["output_ids"]
+    after = answer(url)
+    assert after["meta_info"]["weight_version"] == "new"
+    assert after["output_ids"] != answer_of(alone)
+
+
+def answer_of(reply: dict) -> list[int]:
+    return reply["output_ids"][:8]
+
+
+def test_an_update_while_paused_retracts_and_reprefills(url, original, tmp_path):
+    """Paused (retract) mid-stream, updated, continued: the tokens before the pause are the
+    old weights', every token after is what the new weights produce from there, and the reply
+    reports the new version."""
+    alone = generate(url, **long_body(PROMPT_IDS))
+    new_weights = save(tmp_path, "r", perturbed(original, 2))
+    body = {**long_body(PROMPT_IDS), "stream": True}
+    last = None
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT) as stream:
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                last = json.loads(line[len("data: ") :])
+                if len(last["output_ids"]) >= 5:
+                    break
+        seen = len(last["output_ids"])
+        httpx.post(f"{url}/pause_generation", json={"mode": "retract"}, timeout=TIMEOUT)
+        response = update(url, new_weights, "retracted")
+        httpx.post(f"{url}/continue_generation", timeout=TIMEOUT)
+        for line in lines:
+            if line.startswith("data: {"):
+                last = json.loads(line[len("data: ") :])
     assert response.json()["success"] is True
-    assert response.json()["num_paused_requests"] in (0, 1)
-    assert result["meta_info"]["completion_tokens"] == 300
-    assert result["meta_info"]["weight_version"] == "3"
+    assert response.json()["num_paused_requests"] == 1
+    out = last["output_ids"]
+    assert len(out) == LONG
+    assert last["meta_info"]["weight_version"] == "retracted"
+    # m: tokens made by the old weights before the retraction (at least those seen).
+    m = next(i for i, (a, b) in enumerate(zip(out, alone["output_ids"], strict=True)) if a != b)
+    assert seen <= m < LONG
+    continued = generate(url, **long_body(PROMPT_IDS + out[:m], LONG - m))
+    assert continued["output_ids"] == out[m:]

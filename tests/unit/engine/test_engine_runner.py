@@ -5,7 +5,15 @@ import torch
 
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
-from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, merge_kv, select_kv
+from clawrl.engine.cpu.runner import (
+    CheckpointError,
+    KvBatch,
+    ModelRunner,
+    layer_kv,
+    long_context_config,
+    merge_kv,
+    select_kv,
+)
 
 
 @pytest.fixture(scope="module")
@@ -14,22 +22,33 @@ def runner() -> ModelRunner:
     return ModelRunner(resolve_model_dir(ModelSettings(path="smollm2-tiny")))
 
 
+def prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[KvBatch, torch.Tensor]:
+    """Prompts prefilled one by one and merged into one left-padded batch, and their logits."""
+    kv, logits = None, []
+    for prompt in prompts:
+        result = runner.extend(None, 0, prompt)
+        row = KvBatch(result.cache, torch.ones(1, len(prompt), dtype=torch.long))
+        kv = row if kv is None else merge_kv(kv, row)
+        logits.append(result.last_logits)
+    assert kv is not None
+    return kv, torch.stack(logits)
+
+
 def alone(runner: ModelRunner, prompt: list[int], steps: list[int]) -> torch.Tensor:
     """Logits after feeding `steps` one by one to a batch of just this prompt."""
-    result = runner.prefill([prompt])
-    logits = result.last_logits
+    kv, logits = prefill(runner, [prompt])
     for token in steps:
-        logits = runner.decode(result.kv, torch.tensor([token]))
+        logits = runner.decode(kv, torch.tensor([token]))
     return logits[0]
 
 
 @torch.inference_mode()
 def test_merged_and_selected_rows_match_unbatched_logits(runner):
     a, b, c = [5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33]
-    first = runner.prefill([a, b])
-    second = runner.prefill([c])
-    assert first.kv.width == 7 and second.kv.width == 4
-    kv = merge_kv(first.kv, second.kv)
+    first, _ = prefill(runner, [a, b])
+    second, _ = prefill(runner, [c])
+    assert first.width == 7 and second.width == 4
+    kv = merge_kv(first, second)
     assert kv.mask.tolist()[2] == [0, 0, 0, 1, 1, 1, 1]
     logits = runner.decode(kv, torch.tensor([40, 41, 42]))
     for row, prompt in enumerate((a, b, c)):
@@ -44,13 +63,47 @@ def test_merged_and_selected_rows_match_unbatched_logits(runner):
 
 
 @torch.inference_mode()
-def test_prompt_logprobs_match_the_next_token_distribution(runner):
+def test_chunked_and_prefix_reusing_prefills_match_one_shot(runner):
+    prompt = list(range(100, 140))
+    whole = runner.extend(None, 0, prompt)
+    # in chunks of 16, 16, 8: each chunk attends to the KV of the earlier ones
+    cache, hidden = None, []
+    for lo in range(0, len(prompt), 16):
+        part = runner.extend(cache, lo, prompt[lo : lo + 16])
+        cache = part.cache
+        hidden.append(part.hidden)
+    assert torch.allclose(torch.cat(hidden), whole.hidden, atol=1e-4)
+    assert torch.allclose(part.last_logits, whole.last_logits, atol=1e-4)
+    # a cached prefix's KV (as the prefix cache keeps it: [H_kv, n, D] per layer) in place of
+    # prefilling it again
+    prefix = [(k[:, :25].clone(), v[:, :25].clone()) for k, v in layer_kv(whole.cache)]
+    rest = runner.extend(prefix, 25, prompt[25:])
+    assert torch.allclose(rest.hidden, whole.hidden[25:], atol=1e-4)
+    assert torch.allclose(rest.last_logits, whole.last_logits, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_logprobs_of_match_the_next_token_distribution(runner):
     prompt = [5, 6, 7, 8]
-    result = runner.prefill([prompt])
-    logps, _ = runner.prompt_logprobs(result.hidden[0], prompt, 0, 0)
-    assert logps[0] is None and len(logps) == 4
-    prefix = runner.prefill([prompt[:3]]).last_logits[0]
-    assert logps[3] == pytest.approx(float(torch.log_softmax(prefix, -1)[8]), abs=1e-4)
+    result = runner.extend(None, 0, prompt)
+    logps, tops = runner.logprobs_of(result.hidden[:-1], prompt[1:], 2)
+    assert len(logps) == 3 and all(len(top) == 2 for top in tops)
+    prefix = runner.extend(None, 0, prompt[:3]).last_logits
+    assert logps[2] == pytest.approx(float(torch.log_softmax(prefix, -1)[8]), abs=1e-4)
+
+
+def test_a_longer_context_scales_rope_and_says_so():
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(ModelSettings(path="smollm2-tiny")))
+    trained = config.max_position_embeddings
+    assert long_context_config(config, trained, "yarn") is None
+    message = long_context_config(config, 4 * trained, "yarn")
+    assert message is not None and "yarn" in message and "quality" in message
+    assert config.max_position_embeddings == 4 * trained
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["original_max_position_embeddings"] == trained
 
 
 def test_checkpoints_must_match_names_and_shapes(runner):

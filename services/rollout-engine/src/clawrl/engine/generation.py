@@ -86,17 +86,21 @@ class GenerationRequest:
 class GenerationUpdate:
     """One step's news for one sequence, sent from the scheduler thread.
 
-    new_logprobs/new_top are empty unless the request asked for log-probs; input_* come once,
-    with the first update; stop_text is the output text cut before a matched stop string.
+    new_text is the text the new ids complete (stop strings cut, text that may still turn
+    into a stop string held back); new_logprobs/new_top are empty unless the request asked
+    for log-probs; input_* come once, with the first update; weight_version is the version of
+    the weights that produced the tokens; cached_tokens the prompt tokens the prefix cache gave.
     """
 
     new_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
     new_logprobs: list[float] = field(default_factory=list)
     new_top: list[TopLogprobs] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top: list[TopLogprobs | None] | None = None
     finish: FinishReason | None = None
-    stop_text: str | None = None
+    weight_version: str | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -105,12 +109,14 @@ class GenerationState:
 
     request: GenerationRequest
     output_ids: list[int] = field(default_factory=list)
+    text: str = ""
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopLogprobs | None] = field(default_factory=list)
     finish: FinishReason | None = None
-    stop_text: str | None = None
+    weight_version: str = ""
+    cached_tokens: int = 0
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -118,14 +124,18 @@ class GenerationState:
         if update.new_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_ids.extend(update.new_ids)
+        self.text += update.new_text
         self.output_logprobs.extend(update.new_logprobs)
         self.output_top.extend(update.new_top)
         if update.input_logprobs is not None:
             self.input_logprobs = update.input_logprobs
             self.input_top = update.input_top or []
+        if update.weight_version is not None:
+            self.weight_version = update.weight_version
+        if update.cached_tokens is not None:
+            self.cached_tokens = update.cached_tokens
         if update.finish is not None:
             self.finish = update.finish
-            self.stop_text = update.stop_text
 
     @property
     def finished(self) -> bool:

@@ -117,6 +117,29 @@ class EngineMetrics:
             buckets=BATCH_SIZE_BUCKETS,
             registry=r,
         )
+        self.retracted_requests = Counter(
+            "clawrl_engine_retracted_requests",
+            "Running requests whose KV was dropped to be prefilled again later, by reason "
+            "(kv_budget, pause, weight_update).",
+            ["reason"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "clawrl_engine_cached_prompt_tokens",
+            "Prompt tokens taken from the prefix cache instead of being prefilled.",
+            registry=r,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "clawrl_engine_prefix_cache_tokens",
+            "Tokens whose KV the prefix cache holds.",
+            registry=r,
+        )
+        self.prefill_chunk_tokens = Histogram(
+            "clawrl_engine_prefill_chunk_tokens",
+            "Tokens of one sequence prefilled in one forward pass.",
+            buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192),
+            registry=r,
+        )
         self.engine_errors = Counter(
             "clawrl_engine_forward_errors",
             "Forward passes that raised (their requests are aborted).",

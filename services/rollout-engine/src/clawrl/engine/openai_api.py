@@ -25,7 +25,6 @@ from clawrl.engine.protocol import (
     chat_generation_request,
     parse,
 )
-from clawrl.engine.responses import output_text
 
 
 def finish_reason(state: GenerationState) -> str | None:
@@ -35,21 +34,21 @@ def finish_reason(state: GenerationState) -> str | None:
     return {"length": "length", "stop": "stop"}.get(state.finish["type"], "abort")
 
 
-def _token_entry(decode, token_id: int, logprob: float) -> dict[str, Any]:
-    token = decode([token_id], False)
+def _token_entry(token_text, token_id: int, logprob: float) -> dict[str, Any]:
+    token = token_text(token_id)
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def choice_logprobs(state: GenerationState, decode, start: int) -> dict[str, Any] | None:
+def choice_logprobs(state: GenerationState, token_text, start: int) -> dict[str, Any] | None:
     """OpenAI `logprobs.content` for output tokens [start:]."""
     req = state.request
     if not req.return_logprob:
         return None
     content = []
     for i in range(start, len(state.output_logprobs)):
-        entry = _token_entry(decode, state.output_ids[i], state.output_logprobs[i])
+        entry = _token_entry(token_text, state.output_ids[i], state.output_logprobs[i])
         tops = state.output_top[i] if i < len(state.output_top) else []
-        entry["top_logprobs"] = [_token_entry(decode, tid, lp) for lp, tid in tops]
+        entry["top_logprobs"] = [_token_entry(token_text, tid, lp) for lp, tid in tops]
         content.append(entry)
     return {"content": content}
 
@@ -98,7 +97,7 @@ def build_router(app_state) -> APIRouter:
         model = body.model or app_state.served_name
         if not body.stream:
             state = await engine.generate_once(gen)
-            message = {"role": "assistant", "content": output_text(state, engine.decode)}
+            message = {"role": "assistant", "content": state.text}
             return {
                 "id": cid,
                 "object": "chat.completion",
@@ -108,12 +107,12 @@ def build_router(app_state) -> APIRouter:
                     {
                         "index": 0,
                         "message": message,
-                        "logprobs": choice_logprobs(state, engine.decode, 0),
+                        "logprobs": choice_logprobs(state, engine.token_text, 0),
                         "finish_reason": finish_reason(state),
                     }
                 ],
                 "usage": usage(state),
-                "metadata": {"weight_version": engine.weight_version},
+                "metadata": {"weight_version": state.weight_version},
             }
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         states = engine.generate(gen)  # queued now: a full queue is a 503, not a broken stream
@@ -152,21 +151,20 @@ async def _chat_stream(engine, states, cid, created, model, include_usage) -> As
 
 async def _chat_chunks(engine, states, cid, created, model, include_usage) -> AsyncIterator[str]:
     yield _chunk(cid, created, model, [{"index": 0, "delta": {"role": "assistant", "content": ""}}])
-    sent_text, sent_tokens = "", 0
+    sent_text, sent_tokens = 0, 0
     state = None
     async for state in states:
-        text = output_text(state, engine.decode)
-        delta = text[len(sent_text) :] if text.startswith(sent_text) else ""
+        delta = state.text[sent_text:]
         if delta or state.finished:
             choice = {
                 "index": 0,
                 "delta": {"content": delta} if delta else {},
-                "logprobs": choice_logprobs(state, engine.decode, sent_tokens),
+                "logprobs": choice_logprobs(state, engine.token_text, sent_tokens),
                 "finish_reason": finish_reason(state),
             }
             yield _chunk(cid, created, model, [choice])
             sent_tokens = len(state.output_logprobs)
-            sent_text = text if delta else sent_text
+            sent_text = len(state.text)
     if include_usage and state is not None:
         yield _chunk(cid, created, model, [], usage=usage(state))
     yield "data: [DONE]\n\n"

@@ -39,7 +39,7 @@ from clawrl.engine.protocol import (
     generation_request,
     parse,
 )
-from clawrl.engine.responses import generate_response
+from clawrl.engine.responses import Sent, generate_response
 from clawrl.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -152,11 +152,12 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
         if gen.stream:
             # Queue now, so a full queue is a 503 rather than a broken stream.
             states = engine().generate(gen)
+            incremental = state.settings.engine.incremental_streaming_output
             return StreamingResponse(
-                _generate_events(engine(), states), media_type="text/event-stream"
+                _generate_events(engine(), states, incremental), media_type="text/event-stream"
             )
         result = await engine().generate_once(gen)
-        return generate_response(result, engine().decode, engine().weight_version)
+        return generate_response(result, engine().token_text)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -190,7 +191,13 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        await engine().flush_cache()
+        if not await engine().flush_cache():
+            # SGLang's answer: a flush would pull KV from under running requests.
+            return PlainTextResponse(
+                "Cache not flushed. Please check backend logs for more details. (When there "
+                "are running or waiting requests, the operation will not be performed.)",
+                status_code=400,
+            )
         return PlainTextResponse("Cache flushed.")
 
     @app.get("/get_model_info")
@@ -237,11 +244,14 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
 
 
 async def _generate_events(
-    engine: CpuEngine, states: AsyncIterator[GenerationState]
+    engine: CpuEngine, states: AsyncIterator[GenerationState], incremental: bool
 ) -> AsyncIterator[str]:
     """SSE events of one streaming /generate, then `data: [DONE]`."""
+    sent = Sent() if incremental else None
     async with contextlib.aclosing(states):
         async for result in states:
-            reply = generate_response(result, engine.decode, engine.weight_version)
+            reply = generate_response(result, engine.token_text, sent)
+            if sent is not None:
+                sent.advance(result)
             yield f"data: {json.dumps(reply)}\n\n"
     yield "data: [DONE]\n\n"

@@ -60,6 +60,22 @@ class EngineServerSettings(Section):
         "output_ids, log-probs) instead of everything so far (SGLang's "
         "--incremental-streaming-output). Cumulative events cost O(n^2) for long outputs.",
     )
+    disable_radix_cache: bool = Field(
+        False,
+        description="Keep no prefix cache: every request prefills its whole prompt (SGLang's "
+        "--disable-radix-cache).",
+    )
+    prefix_cache_tokens: int = Field(
+        32768,
+        gt=0,
+        description="Most tokens the prefix cache keeps (least recently used evicted first). "
+        "SmolLM2-135M holds ~46 KB of float32 KV per token: 32768 tokens ~ 1.5 GB.",
+    )
+    rope_scaling: Literal["yarn", "linear"] = Field(
+        "yarn",
+        description="How RoPE is stretched when model.context_length is beyond what the model "
+        "was trained on (written into the served config and logged as a quality trade-off).",
+    )
     default_max_new_tokens: int = Field(
         128,
         gt=0,

@@ -41,7 +41,7 @@ class CpuEngine:
         self.metrics = metrics
         self.model_dir = resolve_model_dir(settings.model)
         self.context_length = context_length(settings.model, self.model_dir)
-        self.weight_version = settings.engine.weight_version
+        self._token_texts: dict[int, str] = {}
         self._update_lock = asyncio.Lock()
         self.tokenizer = None
         self.runner: ModelRunner | None = None
@@ -59,8 +59,15 @@ class CpuEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.runner = ModelRunner(self.model_dir, self.settings.engine.dtype)
-        self.scheduler = Scheduler(self.runner, self.settings.engine, self.metrics, self.decode)
+        serving = self.settings.engine
+        self.runner = ModelRunner(
+            self.model_dir, serving.dtype, self.context_length, serving.rope_scaling
+        )
+        if self.runner.long_context:
+            log.warning("LONG CONTEXT: %s", self.runner.long_context)
+        self.scheduler = Scheduler(
+            self.runner, serving, self.metrics, self.decode, serving.weight_version
+        )
         log.info(
             "loaded %s (vocab %d, context %d)",
             self.model_dir,
@@ -98,9 +105,23 @@ class CpuEngine:
         assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as log-prob entries show it (decoded once per id)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights new requests are served with."""
+        assert self.scheduler is not None
+        return self.scheduler.weight_version
+
     @property
     def paused(self) -> bool:
-        return self.scheduler is not None and self.scheduler.paused
+        """Paused, or holding new requests back until a weight swap is done."""
+        return self.scheduler is not None and (self.scheduler.paused or self.scheduler.swapping)
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -149,8 +170,9 @@ class CpuEngine:
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, load_format: str | None = None
     ) -> UpdateResult:
-        """Read and check the checkpoint in a worker thread, then swap it in on the model
-        thread between two decode steps. Any failure leaves the old weights serving."""
+        """Read and check the checkpoint in a worker thread, then swap it in on the model thread
+        once the running requests have finished (or at once, retracting them, when generation
+        is paused). Any failure leaves the old weights serving."""
         assert self.runner is not None and self.scheduler is not None
         if load_format not in LOAD_FORMATS:
             return self._update_failed(
@@ -163,15 +185,10 @@ class CpuEngine:
                 await asyncio.to_thread(self.runner.check_checkpoint, tensors)
             except CheckpointError as exc:
                 return self._update_failed(f"cannot load weights from {model_path}: {exc}")
-            runner, scheduler = self.runner, self.scheduler
-
-            def swap() -> int:
-                runner.load_weights(tensors)
-                return scheduler.num_running
-
-            num_paused = await asyncio.wrap_future(scheduler.call(swap))
-            if weight_version is not None:
-                self.weight_version = weight_version
+            runner = self.runner
+            num_paused = await asyncio.wrap_future(
+                self.scheduler.swap_weights(lambda: runner.load_weights(tensors), weight_version)
+            )
         self.metrics.weight_updates.labels(result="success").inc()
         log.info("weights updated from %s (weight_version=%s)", path, self.weight_version)
         return UpdateResult(
@@ -212,5 +229,6 @@ class CpuEngine:
         )
 
     async def flush_cache(self) -> bool:
-        """No prefix cache is kept across requests, so there is nothing to flush."""
-        return True
+        """Empty the prefix cache; False (nothing done) while requests run or wait."""
+        assert self.scheduler is not None
+        return await asyncio.wrap_future(self.scheduler.call(self.scheduler.flush_cache))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from clawrl.engine.cpu.prefix_cache import LayerKV
 from clawrl.engine.cpu.sampling import token_logprobs
 
 # Positions whose full-vocabulary log-softmax is computed at once for prompt log-probs
@@ -81,21 +82,66 @@ def select_kv(kv: KvBatch, rows: list[int]) -> KvBatch:
 
 
 @dataclass
-class PrefillResult:
-    """last_logits: [B, V] at each prompt's last token; hidden: [B, T, H] (left-padded)."""
+class ExtendResult:
+    """One sequence's forward pass over new tokens. hidden: [C, H] of the C new tokens;
+    last_logits: [V] after the last of them; cache: the sequence's KV (batch of 1)."""
 
-    last_logits: torch.Tensor
     hidden: torch.Tensor
-    kv: KvBatch
+    last_logits: torch.Tensor
+    cache: DynamicCache
+
+
+def long_context_config(config, context_length: int, rope_type: str) -> str | None:
+    """Stretch `config` (in place) to `context_length` with RoPE scaling when that is beyond
+    what the model was trained on; returns what was done, for the log, or None."""
+    trained = int(config.max_position_embeddings)
+    if context_length <= trained:
+        return None
+    factor = context_length / trained
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.update(
+        {"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": trained}
+    )
+    config.rope_parameters = rope
+    config.max_position_embeddings = context_length
+    return (
+        f"context length {context_length} is beyond the {trained} tokens the model was trained "
+        f"on: RoPE scaled ({rope_type}, factor {factor:.2f}); expect lower quality on long inputs"
+    )
+
+
+def layer_kv(cache: DynamicCache, row: int = 0, last: int | None = None) -> LayerKV:
+    """Row `row`'s keys and values per layer ([H_kv, n, D]); only the `last` n columns if set."""
+    out = []
+    for layer in cache.layers:
+        k, v = layer.keys[row], layer.values[row]
+        if last is not None:
+            k, v = k[:, k.shape[1] - last :], v[:, v.shape[1] - last :]
+        out.append((k, v))
+    return out
 
 
 class ModelRunner:
     """A causal LM loaded from a Hugging Face directory (safetensors)."""
 
-    def __init__(self, model_dir: Path, dtype: str = "float32"):
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str = "float32",
+        context_length: int | None = None,
+        rope_scaling: str = "yarn",
+    ):
+        from transformers import AutoConfig
+
         self.model_dir = Path(model_dir)
         self.dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.long_context = (
+            long_context_config(config, context_length, rope_scaling) if context_length else None
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), config=config, dtype=self.dtype
+        )
         model.eval()
         self.model = model
         self.config = model.config
@@ -110,21 +156,28 @@ class ModelRunner:
 
     # ----- forward passes -------------------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]]) -> PrefillResult:
-        """One forward pass over left-padded prompts, starting a fresh KV cache."""
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
+    def extend(
+        self, cache: DynamicCache | LayerKV | None, past: int, ids: list[int]
+    ) -> ExtendResult:
+        """Feed one sequence's next tokens after `past` cached ones (a prefix from the prefix
+        cache, earlier chunks of its prompt, or nothing)."""
+        if not isinstance(cache, DynamicCache):
+            prefix = cache
+            cache = DynamicCache(config=self.config)
+            for index, (k, v) in enumerate(prefix or []):
+                cache.update(k.unsqueeze(0), v.unsqueeze(0), index)
+        tokens = torch.tensor([ids], dtype=torch.long)
+        positions = torch.arange(past, past + len(ids)).unsqueeze(0)
+        mask = torch.ones(1, past + len(ids), dtype=torch.long)
         out = self.decoder(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
         )
-        hidden = out.last_hidden_state
-        return PrefillResult(self.lm_head(hidden[:, -1]).float(), hidden, KvBatch(out.cache, mask))
+        hidden = out.last_hidden_state[0]
+        return ExtendResult(hidden, self.lm_head(hidden[-1]).float(), out.cache)
 
     def decode(self, kv: KvBatch, token_ids: torch.Tensor) -> torch.Tensor:
         """Append one token per row and return the next-token logits. token_ids: [B] -> [B, V]."""
@@ -140,25 +193,19 @@ class ModelRunner:
         kv.mask = mask
         return self.lm_head(out.last_hidden_state[:, -1]).float()
 
-    def prompt_logprobs(
-        self, hidden: torch.Tensor, prompt: list[int], start: int, top_n: int
-    ) -> tuple[list[float | None], list[TopLogprobs | None]]:
-        """Log-probs of prompt[start:] under the model, each given everything before it; the
-        first token of the sequence has none (None), as in SGLang.
+    def logprobs_of(
+        self, hidden: torch.Tensor, targets: list[int], top_n: int
+    ) -> tuple[list[float], list[TopLogprobs | None]]:
+        """Log-probs of each target given the hidden state just before it.
 
-        hidden: [L, H] for this prompt's L real positions.
+        hidden: [N, H], targets: N ids -> N log-probs (and top-n per position if asked).
         """
-        logps: list[float | None] = []
+        logps: list[float] = []
         tops: list[TopLogprobs | None] = []
-        if start == 0:
-            logps.append(None)
-            tops.append(None)
-            start = 1
-        targets = torch.tensor(prompt, dtype=torch.long)
-        for lo in range(start, len(prompt), PROMPT_LOGPROB_CHUNK):
-            hi = min(lo + PROMPT_LOGPROB_CHUNK, len(prompt))
-            logits = self.lm_head(hidden[lo - 1 : hi - 1])
-            logp, top_vals, top_ids = token_logprobs(logits, targets[lo:hi], top_n)
+        ids = torch.tensor(targets, dtype=torch.long)
+        for lo in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+            hi = min(lo + PROMPT_LOGPROB_CHUNK, len(targets))
+            logp, top_vals, top_ids = token_logprobs(self.lm_head(hidden[lo:hi]), ids[lo:hi], top_n)
             logps.extend(logp.tolist())
             tops.extend(_tops(top_vals, top_ids, hi - lo))
         return logps, tops

@@ -1,9 +1,16 @@
-"""Iteration-level (continuous) batching on one model thread.
+"""Iteration-level (continuous) batching on one model thread, with a prefix cache and chunked
+prefill.
 
-Each turn of the loop: run queued control commands (weight swaps, pause), drop aborted
-sequences, admit waiting requests and prefill them together, then one decode step for every
-running sequence at once. New requests therefore join the running batch between decode steps,
-and finished ones leave it, without waiting for the batch to drain.
+Each turn of the loop: run queued control commands, drop aborted sequences, admit waiting
+requests (their longest cached prefix comes from the prefix cache), prefill at most
+`chunked_prefill_size` prompt tokens, then one decode step for every running sequence at once.
+A long prompt is thus prefilled a chunk per turn while the running batch keeps decoding, and
+a sequence joins the batch when its whole prompt is in its KV.
+
+Weight swaps follow SGLang: a swap waits until no request is running (new ones wait in the
+queue meanwhile), so every token of a sequence comes from one version; when generation is
+paused, the running requests are retracted instead (their KV dropped) and re-prefilled with
+the new weights on resume. A request reports the version that produced its tokens.
 
 The asyncio side never touches torch: it submits requests and commands through thread-safe
 queues and receives GenerationUpdates through each sequence's `emit` callback (which hops onto
@@ -23,10 +30,13 @@ from typing import Any
 
 import torch
 
-from clawrl.engine.cpu.runner import KvBatch, ModelRunner, merge_kv, select_kv
+from clawrl.engine.cpu.detokenizer import IncrementalDetokenizer
+from clawrl.engine.cpu.prefix_cache import LayerKV, PrefixCache
+from clawrl.engine.cpu.runner import KvBatch, ModelRunner, layer_kv, merge_kv, select_kv
 from clawrl.engine.cpu.sampling import sample_next_tokens, token_logprobs
 from clawrl.engine.cpu.stops import find_stop_string, token_finish
 from clawrl.engine.generation import (
+    FinishReason,
     GenerationRequest,
     GenerationUpdate,
     abort_reason,
@@ -53,7 +63,13 @@ class QueueFullError(RuntimeError):
 class Sequence:
     """One request inside the scheduler. `aborted` may be set from any thread."""
 
-    def __init__(self, request: GenerationRequest, emit: Emit, generator: torch.Generator | None):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        emit: Emit,
+        generator: torch.Generator | None,
+        decode: Decode,
+    ):
         self.request = request
         self.emit = emit
         self.generator = generator
@@ -61,17 +77,38 @@ class Sequence:
         self.aborted: str | None = None
         self.arrived = time.perf_counter()
         self.last_token_at: float | None = None
+        self.detok = IncrementalDetokenizer(decode, request.skip_special_tokens)
+        self.text_sent = 0  # characters of detok.text already emitted
+        self.stop_scanned = 0  # characters of detok.text already searched for stop strings
+        self.weight_version = ""
+        self.cached_tokens: int | None = None  # set at the first prefill
+        # Prefill state: the tokens to put in the KV (the prompt, plus the output so far when
+        # a retracted sequence comes back), how many are in already, and that KV.
+        self.feed: list[int] = list(request.input_ids)
+        self.fed = 0
+        self.cache: Any = None  # DynamicCache or prefix-cache KV while prefilling
+        self.prev_hidden: torch.Tensor | None = None  # [H] of the last fed token
+        self.input_logprobs: list[float | None] = []
+        self.input_top: list = []
+        self.input_sent = False
 
     @property
-    def reserved_tokens(self) -> int:
-        return len(self.request.input_ids) + self.request.max_new_tokens
+    def wants_input_logprobs(self) -> bool:
+        req = self.request
+        return req.return_logprob and req.logprob_start_len >= 0 and not self.input_sent
+
+    def retract(self) -> None:
+        """Drop this sequence's KV; it will be prefilled again with its output so far."""
+        self.feed = list(self.request.input_ids) + self.output_ids
+        self.fed, self.cache, self.prev_hidden = 0, None, None
 
     def abort(self, reason: str) -> None:
         self.aborted = reason
 
 
 class Scheduler:
-    """Owns the model thread, the waiting queue and the running batch."""
+    """Owns the model thread, the waiting queue, the prefilling and running sequences and the
+    prefix cache."""
 
     def __init__(
         self,
@@ -79,11 +116,16 @@ class Scheduler:
         settings: EngineServerSettings,
         metrics: EngineMetrics,
         decode_text: Decode,
+        weight_version: str,
     ):
         self.runner = runner
         self.settings = settings
         self.metrics = metrics
         self.decode_text = decode_text
+        self.weight_version = weight_version
+        self.prefix_cache = (
+            None if settings.disable_radix_cache else PrefixCache(settings.prefix_cache_tokens)
+        )
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
@@ -92,13 +134,18 @@ class Scheduler:
         self._wakeup = threading.Event()
         self._stopping = False
         self._paused = False
+        self._prefilling: list[Sequence] = []
         self._running: list[Sequence] = []
         self._pending: torch.Tensor | None = None  # [B] last sampled token, not yet in the KV
         self._kv: KvBatch | None = None
+        # Weight swaps waiting for the running batch to drain: (load, version, future).
+        self._swaps: list[tuple[Callable[[], None], str | None, concurrent.futures.Future]] = []
         self._default_generator = torch.Generator().manual_seed(settings.random_seed)
         self._max_batch = 0
         self._window_tokens = 0
         self._window_start = time.perf_counter()
+        self._prompt_total = 0
+        self._cached_total = 0
         self._thread = threading.Thread(target=self._loop, name="clawrl-model", daemon=True)
 
     # ----- called from the asyncio side ----------------------------------------------------
@@ -116,8 +163,13 @@ class Scheduler:
         return self._paused
 
     @property
+    def swapping(self) -> bool:
+        """A weight swap is waiting for the running requests to finish."""
+        return bool(self._swaps)
+
+    @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -128,7 +180,7 @@ class Scheduler:
         generator = None
         if request.seed is not None and not request.sampling.greedy:
             generator = torch.Generator().manual_seed(request.seed)
-        seq = Sequence(request, emit, generator)
+        seq = Sequence(request, emit, generator, self.decode_text)
         with self._lock:
             if len(self._waiting) >= self.settings.max_queued_requests:
                 raise QueueFullError(
@@ -147,17 +199,41 @@ class Scheduler:
         self._wakeup.set()
         return future
 
+    def swap_weights(
+        self, load: Callable[[], None], version: str | None
+    ) -> concurrent.futures.Future:
+        """Run `load` (copies new weights in) once no request is running, or at once when
+        paused (retracting the running requests); then flush the prefix cache and take
+        `version`. The future's result is the number of requests retracted."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda: self._swaps.append((load, version, future)), None))
+        self._wakeup.set()
+        return future
+
     # ----- commands (run on the model thread through `call`) -------------------------------
 
     def pause(self, mode: str) -> None:
-        """`abort` ends every running and waiting request; `in_place`/`retract` freeze them.
-        Either way nothing is decoded or admitted until `resume`."""
+        """`abort` ends every running and waiting request; `retract` drops the running ones'
+        KV (they are re-prefilled on resume); `in_place` freezes them. Either way nothing is
+        decoded or admitted until `resume`."""
         self._paused = True
         if mode == "abort":
             self.abort_all("generation paused (mode=abort)", "pause")
+        elif mode == "retract":
+            self._retract_all("pause")
 
     def resume(self) -> None:
         self._paused = False
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests run or wait, as in SGLang."""
+        if self._running or self._prefilling or self._waiting:
+            return False
+        if self.prefix_cache is not None:
+            dropped = self.prefix_cache.flush()
+            log.info("prefix cache flushed (%d tokens)", dropped)
+        self._update_gauges()
+        return True
 
     # ----- the loop ------------------------------------------------------------------------
 
@@ -166,6 +242,7 @@ class Scheduler:
         while not self._stopping:
             self._wakeup.clear()
             self._run_commands()
+            self._run_swaps()
             if self._paused:
                 self._wakeup.wait(IDLE_WAIT_S)
                 continue
@@ -188,6 +265,9 @@ class Scheduler:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if future is None:
+                fn()
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -195,74 +275,197 @@ class Scheduler:
             except BaseException as exc:
                 future.set_exception(exc)
 
+    def _run_swaps(self) -> None:
+        if not self._swaps:
+            return
+        retracted = 0
+        if self._paused:
+            self._retract_all("weight_update")
+            # Reported: the requests whose generation continues on the new weights.
+            retracted = sum(1 for seq in self._waiting if seq.output_ids)
+        elif self._running or self._prefilling:
+            return  # wait for them to finish; nothing new is admitted meanwhile
+        swaps, self._swaps = self._swaps, []
+        for load, version, future in swaps:
+            try:
+                load()
+            except BaseException as exc:
+                log.exception("weight swap failed")
+                future.set_exception(exc)
+                continue
+            if self.prefix_cache is not None:
+                self.prefix_cache.flush()  # its KV was computed by the old weights
+            if version is not None:
+                self.weight_version = version
+            future.set_result(retracted)
+
     def _step(self) -> bool:
         self._drop_aborted()
-        admitted = self._admit()
-        if admitted:
-            try:
-                self._prefill(admitted)
-            except Exception:
-                # A prompt that cannot be prefilled (e.g. out of memory) fails alone; the
-                # running batch is untouched and keeps decoding.
-                log.exception("prefill of %d requests failed; aborting them", len(admitted))
-                self.metrics.engine_errors.inc()
-                for seq in admitted:
-                    if seq not in self._running:
-                        self.metrics.aborted_requests.labels(reason="error").inc()
-                        seq.emit(GenerationUpdate(finish=abort_reason("engine error in prefill")))
+        if not self._swaps:
+            self._admit()
+        worked = self._prefill_chunk()
         if self._running:
+            self._fit_kv_budget()
             self._decode()
             return True
-        return bool(admitted)
+        return worked
 
-    def _admit(self) -> list[Sequence]:
-        """Waiting requests that fit: batch slots, the KV budget, the prefill budget."""
-        admitted: list[Sequence] = []
-        reserved = sum(seq.reserved_tokens for seq in self._running)
-        widest = 0
+    def _kv_in_use(self) -> int:
+        """Tokens the running and prefilling sequences hold (or will hold) in KV."""
+        running = self._kv.real_tokens() + len(self._running) if self._kv is not None else 0
+        return running + sum(len(seq.feed) for seq in self._prefilling)
+
+    def _admit(self) -> None:
+        """Waiting requests that fit now: a batch slot, the KV budget by current use (not by
+        max_new_tokens: a request that outgrows it later is retracted), the prefill budget."""
+        s = self.settings
+        used = self._kv_in_use()
+        round_tokens = 0
         with self._lock:
-            while self._waiting and len(self._running) + len(admitted) < (
-                self.settings.max_running_requests
-            ):
+            while self._waiting and self.num_running < s.max_running_requests:
                 seq = self._waiting[0]
                 if seq.aborted:
                     self._waiting.popleft()
                     self._count_abort(seq)
                     continue
-                width = max(widest, len(seq.request.input_ids))
-                fits_kv = reserved + seq.reserved_tokens <= self.settings.max_total_tokens
-                fits_prefill = width * (len(admitted) + 1) <= self.settings.max_prefill_tokens
-                nothing_else = not self._running and not admitted
-                if not nothing_else and not (fits_kv and fits_prefill):
+                need = len(seq.feed) + 1
+                alone = not self._running and not self._prefilling
+                fits = used + need <= s.max_total_tokens and (
+                    round_tokens == 0 or round_tokens + need <= s.max_prefill_tokens
+                )
+                if not (fits or alone):
                     break
                 self._waiting.popleft()
-                admitted.append(seq)
-                reserved += seq.reserved_tokens
-                widest = width
-        return admitted
+                used += need
+                round_tokens += need
+                self._start_prefill(seq)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        prompts = [seq.request.input_ids for seq in seqs]
-        result = self.runner.prefill(prompts)
-        self.metrics.prefill_batch_size.observe(len(seqs))
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        input_lp = [self._input_logprobs(seq, result.hidden[row]) for row, seq in enumerate(seqs)]
-        live = [row for row, seq in enumerate(seqs) if seq.request.max_new_tokens > 0]
-        for row, seq in enumerate(seqs):
-            if seq.request.max_new_tokens == 0:  # prompt log-probs only (the teacher path)
-                lps, tops = input_lp[row]
-                self._finish(
-                    seq,
-                    GenerationUpdate(input_logprobs=lps, input_top=tops, finish=length_reason(0)),
-                )
-        if not live:
+    def _start_prefill(self, seq: Sequence) -> None:
+        """Take the longest cached prefix (never the last token: its logits are needed, nor
+        prompt positions whose log-probs are asked for) and queue the rest for prefill."""
+        seq.weight_version = self.weight_version
+        limit = len(seq.feed) - 1
+        if seq.wants_input_logprobs:
+            limit = min(limit, max(seq.request.logprob_start_len - 1, 0))
+        matched = 0
+        if self.prefix_cache is not None and limit > 0:
+            matched, kv = self.prefix_cache.match(seq.feed, limit)
+            if matched:
+                seq.cache, seq.fed = kv, matched
+        if seq.cached_tokens is None:
+            seq.cached_tokens = matched
+            self._prompt_total += len(seq.request.input_ids)
+            self._cached_total += matched
+            self.metrics.prompt_tokens.inc(len(seq.request.input_ids))
+            self.metrics.cached_tokens.inc(matched)
+        self._prefilling.append(seq)
+
+    def _prefill_chunk(self) -> bool:
+        """Prefill up to chunked_prefill_size tokens of the prefilling sequences, in order."""
+        budget = self.settings.chunked_prefill_size
+        worked = False
+        for seq in list(self._prefilling):
+            if budget <= 0:
+                break
+            n = min(budget, len(seq.feed) - seq.fed)
+            budget -= n
+            worked = True
+            try:
+                result = self.runner.extend(seq.cache, seq.fed, seq.feed[seq.fed : seq.fed + n])
+                if seq.wants_input_logprobs:
+                    self._input_logprobs(seq, result.hidden)
+            except Exception:
+                # A prompt that cannot be prefilled (e.g. out of memory) fails alone; the
+                # running batch is untouched and keeps decoding.
+                log.exception("prefill of request %s failed; aborting it", seq.request.rid)
+                self.metrics.engine_errors.inc()
+                self.metrics.aborted_requests.labels(reason="error").inc()
+                self._prefilling.remove(seq)
+                seq.emit(GenerationUpdate(finish=abort_reason("engine error in prefill")))
+                continue
+            self.metrics.prefill_chunk_tokens.observe(n)
+            seq.cache, seq.fed = result.cache, seq.fed + n
+            seq.prev_hidden = result.hidden[-1]
+            if seq.fed == len(seq.feed):
+                self._prefilling.remove(seq)
+                self._prefilled(seq, result.last_logits)
+        return worked
+
+    def _input_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Collect the prompt log-probs this chunk (hidden: [n, H], positions fed-n..fed-1 of
+        the prompt, not yet counted in seq.fed) makes computable."""
+        req = seq.request
+        first = seq.fed  # position of hidden[0]
+        end = min(first + hidden.shape[0], len(req.input_ids))
+        start = max(req.logprob_start_len, first)
+        if start == 0:
+            seq.input_logprobs.append(None)  # the first token has no log-prob, as in SGLang
+            seq.input_top.append(None)
+            start = 1
+        if start >= end:
             return
-        logits = result.last_logits[live]
-        new = [seqs[row] for row in live]
-        next_ids = self._sample(new, logits)
-        kv = select_kv(result.kv, live) if len(live) < len(seqs) else result.kv
-        kept = self._emit_tokens(new, logits, next_ids, [input_lp[row] for row in live])
-        self._join(new, next_ids, kv, kept)
+        # Target p is predicted by the hidden state at p - 1 (the previous chunk's last one
+        # when p is this chunk's first position).
+        states = hidden if seq.prev_hidden is None else torch.cat([seq.prev_hidden[None], hidden])
+        offset = first if seq.prev_hidden is None else first - 1
+        logps, tops = self.runner.logprobs_of(
+            states[start - 1 - offset : end - 1 - offset],
+            req.input_ids[start:end],
+            req.top_logprobs_num,
+        )
+        seq.input_logprobs.extend(logps)
+        seq.input_top.extend(tops)
+
+    def _prefilled(self, seq: Sequence, last_logits: torch.Tensor) -> None:
+        """A sequence's whole prompt is in its KV: cache it, sample its first token, and join
+        the running batch."""
+        prefix = layer_kv(seq.cache)
+        self._cache_insert(seq.feed, prefix)
+        if seq.request.max_new_tokens == 0:  # prompt log-probs only (the teacher path)
+            update = self._first_update(seq)
+            self._finish(seq, GenerationUpdate(**update, finish=length_reason(0)))
+            return
+        logits = last_logits.unsqueeze(0)
+        next_ids = self._sample([seq], logits)
+        kept = self._emit_tokens([seq], logits, next_ids, lambda _row: (seq.feed, prefix))
+        if kept:
+            mask = torch.ones(1, seq.fed, dtype=torch.long)
+            kv = KvBatch(seq.cache, mask)
+            if self._kv is None:
+                self._kv, self._pending = kv, next_ids
+            else:
+                assert self._pending is not None
+                self._kv = merge_kv(self._kv, kv)
+                self._pending = torch.cat([self._pending, next_ids])
+            self._running.append(seq)
+        seq.cache = None
+
+    def _fit_kv_budget(self) -> None:
+        """Retract the newest running requests while the batch outgrows max_total_tokens."""
+        while len(self._running) > 1 and self._kv_in_use() > self.settings.max_total_tokens:
+            seq = self._running[-1]
+            assert self._pending is not None
+            self._keep(list(range(len(self._running) - 1)), self._pending)
+            seq.retract()
+            self._waiting.appendleft(seq)
+            self.metrics.retracted_requests.labels(reason="kv_budget").inc()
+            log.info("retracted request %s: the KV budget is full", seq.request.rid)
+
+    def _retract_all(self, reason: str) -> int:
+        """Drop the KV of every running and prefilling request; they go back to the front of
+        the queue (in their order) and are prefilled again later. Returns how many."""
+        seqs = [s for s in self._running + self._prefilling if not s.aborted]
+        for seq in self._running + self._prefilling:
+            if seq.aborted:
+                self._count_abort(seq)
+        self._running, self._prefilling, self._kv, self._pending = [], [], None, None
+        for seq in reversed(seqs):
+            seq.retract()
+            self._waiting.appendleft(seq)
+        if seqs:
+            self.metrics.retracted_requests.labels(reason=reason).inc(len(seqs))
+            log.info("retracted %d requests (%s)", len(seqs), reason)
+        return len(seqs)
 
     def _decode(self) -> None:
         assert self._kv is not None and self._pending is not None
@@ -272,7 +475,14 @@ class Scheduler:
             self.metrics.max_decode_batch_size.set(self._max_batch)
         logits = self.runner.decode(self._kv, self._pending)
         next_ids = self._sample(self._running, logits)
-        kept = self._emit_tokens(self._running, logits, next_ids, None)
+        kv = self._kv
+
+        def row_kv(row: int) -> tuple[list[int], LayerKV]:
+            n = int(kv.mask[row].sum())
+            seq = self._running[row]
+            return (seq.request.input_ids + seq.output_ids)[:n], layer_kv(kv.cache, row, last=n)
+
+        kept = self._emit_tokens(self._running, logits, next_ids, row_kv)
         self._keep(kept, next_ids)
 
     # ----- per-step bookkeeping ------------------------------------------------------------
@@ -281,24 +491,25 @@ class Scheduler:
         generators = [seq.generator or self._default_generator for seq in seqs]
         return sample_next_tokens(logits, [seq.request.sampling for seq in seqs], generators)
 
-    def _input_logprobs(self, seq: Sequence, hidden: torch.Tensor):
-        req = seq.request
-        if not req.return_logprob or req.logprob_start_len < 0:
-            return None, None
-        prompt = req.input_ids
-        real = hidden[hidden.shape[0] - len(prompt) :]
-        return self.runner.prompt_logprobs(
-            real, prompt, req.logprob_start_len, req.top_logprobs_num
-        )
+    def _first_update(self, seq: Sequence) -> dict:
+        """Fields only the first update of a request carries."""
+        if seq.input_sent:
+            return {}
+        seq.input_sent = True
+        fields: dict[str, Any] = {"cached_tokens": seq.cached_tokens}
+        if seq.request.return_logprob and seq.request.logprob_start_len >= 0:
+            fields.update(input_logprobs=seq.input_logprobs, input_top=seq.input_top)
+        return fields
 
     def _emit_tokens(
         self,
         seqs: list[Sequence],
         logits: torch.Tensor,
         next_ids: torch.Tensor,
-        input_lp: list | None,
+        kv_of: Callable[[int], tuple[list[int], LayerKV]],
     ) -> list[int]:
-        """Append each row's new token, tell its request, and return the rows still going."""
+        """Append each row's new token, tell its request, and return the rows still going.
+        `kv_of(row)` gives a finishing row's ids and KV for the prefix cache."""
         now = time.perf_counter()
         want = [i for i, seq in enumerate(seqs) if seq.request.return_logprob]
         logps: dict[int, float] = {}
@@ -328,55 +539,67 @@ class Scheduler:
             else:
                 self.metrics.inter_token_latency.observe(now - seq.last_token_at)
             seq.last_token_at = now
-            finish, stop_text = self._check_finish(seq)
+            finish = token_finish(seq.request.stop, seq.output_ids)
+            new_text, finish = self._new_text(seq, token, finish)
             update = GenerationUpdate(
                 new_ids=[token],
+                new_text=new_text,
                 new_logprobs=[logps[i]] if i in logps else [],
                 new_top=[tops[i]] if i in tops else [],
-                input_logprobs=input_lp[i][0] if input_lp else None,
-                input_top=input_lp[i][1] if input_lp else None,
                 finish=finish,
-                stop_text=stop_text,
+                weight_version=seq.weight_version,
+                **self._first_update(seq),
             )
             if finish is not None:
+                self._cache_insert(*kv_of(i))
                 self._finish(seq, update)
             else:
                 seq.emit(update)
                 kept.append(i)
         return kept
 
-    def _check_finish(self, seq: Sequence):
+    def _new_text(
+        self, seq: Sequence, token: int, finish: FinishReason | None
+    ) -> tuple[str, FinishReason | None]:
+        """The text `token` adds, and the finish reason once a stop string shows up. A matched
+        stop token is not text (unless no_stop_trim); while stop strings may still match, their
+        possible beginnings are held back so streamed text never has to be taken back."""
         req = seq.request
-        finish = token_finish(req.stop, seq.output_ids)
-        if finish is not None or not req.stop.stop_strings:
-            return finish, None
-        text = self.decode_text(seq.output_ids, req.skip_special_tokens)
-        found = find_stop_string(text, req.stop.stop_strings)
-        if found is None:
-            return None, None
-        matched, at = found
-        stop_text = text if req.no_stop_trim else text[:at]
-        return {"type": "stop", "matched": matched}, stop_text
+        matched_token = finish is not None and isinstance(finish.get("matched"), int)
+        if not (matched_token and not req.no_stop_trim):
+            seq.detok.push([token])
+        if finish is not None:
+            seq.detok.flush()
+        text = seq.detok.text
+        end = len(text)
+        stops = req.stop.stop_strings
+        if stops and finish is None:
+            longest = max(len(s) for s in stops)
+            window = max(0, seq.stop_scanned - longest + 1)
+            found = find_stop_string(text[window:], stops)
+            seq.stop_scanned = len(text)
+            if found is not None:
+                matched, at = found
+                finish = {"type": "stop", "matched": matched}
+                if req.no_stop_trim:
+                    seq.detok.flush()
+                    text, end = seq.detok.text, len(seq.detok.text)
+                else:
+                    end = window + at
+            else:
+                end = len(text) - (longest - 1)
+        new = text[seq.text_sent : end] if end > seq.text_sent else ""
+        seq.text_sent = max(seq.text_sent, end)
+        return new, finish
+
+    def _cache_insert(self, ids: list[int], kv: LayerKV) -> None:
+        if self.prefix_cache is not None and ids:
+            self.prefix_cache.insert(ids, kv)
 
     def _finish(self, seq: Sequence, update: GenerationUpdate) -> None:
         self.metrics.num_requests.inc()
         self.metrics.e2e_request_latency.observe(time.perf_counter() - seq.arrived)
         seq.emit(update)
-
-    def _join(self, seqs: list[Sequence], next_ids: torch.Tensor, kv: KvBatch, kept: list[int]):
-        """Add freshly prefilled rows (those in `kept`) to the running batch."""
-        if not kept:
-            return
-        if len(kept) < len(seqs):
-            kv = select_kv(kv, kept)
-        new_pending = next_ids[kept]
-        if self._kv is None:
-            self._kv, self._pending = kv, new_pending
-        else:
-            assert self._pending is not None
-            self._kv = merge_kv(self._kv, kv)
-            self._pending = torch.cat([self._pending, new_pending])
-        self._running.extend(seqs[i] for i in kept)
 
     def _keep(self, kept: list[int], next_ids: torch.Tensor) -> None:
         """Keep only rows `kept` of the running batch, with their new pending tokens."""
@@ -390,6 +613,9 @@ class Scheduler:
         self._pending = next_ids[kept]
 
     def _drop_aborted(self) -> None:
+        for seq in [s for s in self._prefilling if s.aborted]:
+            self._prefilling.remove(seq)
+            self._count_abort(seq)
         if not any(seq.aborted for seq in self._running):
             return
         kept = []
@@ -405,10 +631,10 @@ class Scheduler:
         self.metrics.aborted_requests.labels(reason=seq.aborted or "client_gone").inc()
 
     def _abort_running(self, message: str, reason: str) -> None:
-        for seq in self._running:
+        for seq in self._running + self._prefilling:
             self.metrics.aborted_requests.labels(reason=reason).inc()
             seq.emit(GenerationUpdate(finish=abort_reason(message)))
-        self._running, self._kv, self._pending = [], None, None
+        self._running, self._prefilling, self._kv, self._pending = [], [], None, None
 
     def abort_all(self, message: str, reason: str) -> None:
         self._abort_running(message, reason)
@@ -420,11 +646,15 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.num_running_reqs.set(len(self._running))
+        m.num_running_reqs.set(self.num_running)
         m.num_queue_reqs.set(len(self._waiting))
-        used = self._kv.real_tokens() if self._kv is not None else 0
+        used = self._kv_in_use()
         m.num_used_tokens.set(used)
         m.token_usage.set(used / self.settings.max_total_tokens)
+        if self.prefix_cache is not None:
+            m.prefix_cache_tokens.set(self.prefix_cache.tokens)
+        if self._prompt_total:
+            m.cache_hit_rate.set(self._cached_total / self._prompt_total)
         now = time.perf_counter()
         elapsed = now - self._window_start
         if elapsed >= THROUGHPUT_WINDOW_S:
