@@ -13,6 +13,7 @@ from pydantic import Field
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 from clawrl.trainer.losses import AdvantageConfig, LossConfig
+from clawrl.trainer.megatron.settings import MegatronSettings
 
 
 class RolloutSettings(Section):
@@ -205,6 +206,7 @@ class TrainerSettings(ClawrlSettings):
     consumer: ConsumerSettings = Field(default_factory=ConsumerSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
+    megatron: MegatronSettings = Field(default_factory=MegatronSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     def advantage_config(self) -> AdvantageConfig:

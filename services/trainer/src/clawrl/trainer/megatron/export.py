@@ -8,17 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-# Files of an HF model directory that are not weights: copied next to every export so an engine
-# can load it on its own.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+from clawrl.trainer.torch_backend import TOKENIZER_FILES
 
 
 def write_hf_dir(

@@ -150,8 +150,8 @@ class MegatronRank:
         model.post_process = False
         return model
 
-    def load(self, model_dir: str, load_reference: bool) -> int:
-        """Build and load the policy (and reference) slices and the optimizer; -> vocab size."""
+    def load(self, model_dir: Path, *, load_reference: bool) -> None:
+        """Build and load the policy (and reference) slices and the optimizer."""
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -166,6 +166,8 @@ class MegatronRank:
         if load_reference:
             self.reference = self._build(hf_config, hf).eval().requires_grad_(False)
         self.optimizer = self._make_optimizer()
+
+    def vocab_size(self) -> int:
         return self.shape.vocab_size
 
     def _make_optimizer(self):
@@ -327,7 +329,7 @@ class MegatronRank:
                     shards[r][name] = part.cpu()
         return megatron_to_hf(shards, self.shape) if self.rank == 0 else None
 
-    def export_hf(self, path: str) -> None:
+    def export_hf(self, path: Path) -> None:
         """Rank 0 writes config, safetensors and tokenizer files into `path`."""
         hf = self.gather_hf()
         if self.rank != 0:
@@ -338,7 +340,7 @@ class MegatronRank:
 
     # --- resumable state: one torch file per rank ------------------------------------------------
 
-    def save_state(self, path: str) -> None:
+    def save_state(self, path: Path) -> None:
         directory = Path(path)
         if self.rank == 0:
             layout = {"tp": self.cfg.tp, "shape": asdict(self.shape)}
@@ -351,7 +353,7 @@ class MegatronRank:
         torch.save(state, directory / f"megatron_rank{self.rank:03d}.pt")
         torch.distributed.barrier()
 
-    def load_state(self, path: str) -> None:
+    def load_state(self, path: Path) -> None:
         directory = Path(path)
         layout = json.loads((directory / "megatron_layout.json").read_text())
         if layout["tp"] != self.cfg.tp:
