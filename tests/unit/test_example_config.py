@@ -6,6 +6,7 @@ import pytest
 
 from clawrl.engine.settings import EngineSettings
 from clawrl.gateway.settings import GatewaySettings
+from clawrl.judge.settings import JudgeSettings
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "clawrl.example.toml"
 
@@ -28,6 +29,13 @@ def test_the_gateway_reads_its_sections() -> None:
     assert settings.sessions.idle_timeout_s == 600
     assert settings.control.hold_timeout_s == 120
     assert settings.redis.turns_stream == "clawrl:turns"
+
+
+def test_the_judge_reads_its_sections() -> None:
+    settings = JudgeSettings()
+    assert settings.judging.mode == "rl" and settings.judging.votes == 3
+    assert settings.backend.engine_url == "http://localhost:30011"
+    assert settings.workers.max_deliveries == 5 and settings.judge_server.metrics_port == 30021
 
 
 def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,7 +79,7 @@ def judge_settings(redis_url: str, **sections: dict[str, Any]) -> JudgeSettings:
         },
         "audit": {"stream": f"t:{tag}:judgements"},
         "workers": {"key_prefix": f"t:{tag}:judge", "consumer": "w1", "block_ms": 100},
-        "server": {"grpc_port": 0, "metrics_port": 0},
+        "judge_server": {"grpc_port": 0, "metrics_port": 0},
         "backend": {"engine_url": None},
     }
     for name, values in sections.items():

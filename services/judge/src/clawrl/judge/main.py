@@ -36,26 +36,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--reward-fn", help="reward plug-in module:function (judging.reward_fn)")
         p.add_argument("--engine-url", help="judge engine, SGLang API (backend.engine_url)")
         p.add_argument("--model", help="policy model path or prepared name (model.path)")
+        p.add_argument("--judge-model", help="judge engine's model, for votes (judge_model.path)")
         p.add_argument("--workers", type=int, help="consumers in this process (workers.workers)")
         p.add_argument("--consumer", help="consumer name (workers.consumer)")
-        p.add_argument("--grpc-port", type=int, help="Judge gRPC port (server.grpc_port)")
-        p.add_argument("--metrics-port", type=int, help="HTTP /metrics port (server.metrics_port)")
+        p.add_argument("--grpc-port", type=int, help="Judge gRPC port (judge_server.grpc_port)")
+        p.add_argument("--metrics-port", type=int, help="/metrics port (judge_server.metrics_port)")
     return parser.parse_args(argv)
 
 
 def settings_from(args: argparse.Namespace) -> JudgeSettings:
     """Settings with the given flags on top of env / TOML / defaults."""
     get = lambda name: getattr(args, name, None)  # noqa: E731
-    return JudgeSettings().with_overrides(
-        {
-            "redis": {"url": get("redis_url")},
-            "judging": {"mode": get("mode"), "reward_fn": get("reward_fn")},
-            "backend": {"engine_url": get("engine_url")},
-            "model": {"path": get("model")},
-            "workers": {"workers": get("workers"), "consumer": get("consumer")},
-            "server": {"grpc_port": get("grpc_port"), "metrics_port": get("metrics_port")},
-        }
-    )
+    overrides = {
+        "redis": {"url": get("redis_url")},
+        "judging": {"mode": get("mode"), "reward_fn": get("reward_fn")},
+        "backend": {"engine_url": get("engine_url")},
+        "model": {"path": get("model")},
+        "workers": {"workers": get("workers"), "consumer": get("consumer")},
+        "judge_server": {"grpc_port": get("grpc_port"), "metrics_port": get("metrics_port")},
+    }
+    settings = JudgeSettings()
+    if get("judge_model"):  # the section is optional: start from the policy model's
+        base = settings.judge_model or settings.model
+        settings = settings.model_copy(update={"judge_model": base.model_copy()})
+        overrides["judge_model"] = {"path": get("judge_model")}
+    return settings.with_overrides(overrides)
 
 
 async def serve(settings: JudgeSettings) -> None:

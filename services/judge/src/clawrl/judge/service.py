@@ -191,7 +191,7 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
     grpc_server = http_runner = None
     try:
         if serve:
-            s = settings.server
+            s = settings.judge_server
             grpc_server, service.grpc_port = await start_grpc(judge, metrics, s.host, s.grpc_port)
             http_runner, service.metrics_port = await start_http(
                 metrics, service.ready, s.host, s.metrics_port

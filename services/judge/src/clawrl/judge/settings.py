@@ -189,7 +189,10 @@ class JudgeSettings(ClawrlSettings):
     workers: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
-    server: ServerSettings = Field(default_factory=ServerSettings)
+    judge_server: ServerSettings = Field(
+        default_factory=ServerSettings,
+        description="[judge_server]: its own section, since the trainer has a [server] too.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> JudgeSettings:
