@@ -10,6 +10,7 @@ Default ports (each has a flag, see --help):
   policy    http://localhost:30010     (SGLang API)
   judge     http://localhost:30011     (SGLang API)
   redis     redis://localhost:6390
+  prometheus http://localhost:30090    (when the `prometheus` binary is installed)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import prometheus_local
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -103,13 +106,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--policy-port", type=int, default=30010)
     parser.add_argument("--judge-port", type=int, default=30011)
     parser.add_argument("--redis-port", type=int, default=6390)
+    parser.add_argument("--prometheus-port", type=int, default=30090)
     parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, etc.")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ports = (args.redis_port, args.policy_port, args.judge_port, args.gateway_port, args.grpc_port)
+    ports = (
+        args.redis_port,
+        args.policy_port,
+        args.judge_port,
+        args.gateway_port,
+        args.grpc_port,
+        args.prometheus_port,
+    )
     for port in ports:
         if port_open(port):
             print(
@@ -168,12 +179,24 @@ def main(argv: list[str] | None = None) -> int:
             ],
             lambda: http_ok(f"http://127.0.0.1:{args.gateway_port}/readyz"),
         )
+        if shutil.which("prometheus"):
+            scraped = {
+                "gateway": args.gateway_port,
+                "policy-engine": args.policy_port,
+                "judge-engine": args.judge_port,
+            }
+            stack.start(
+                "prometheus",
+                prometheus_local.argv(args.run_dir, args.prometheus_port, scraped),
+                lambda: http_ok(f"http://127.0.0.1:{args.prometheus_port}/-/ready"),
+            )
         gateway = f"http://localhost:{args.gateway_port}"
         print(
             f"\nclawrl is running. Point an OpenAI client at {gateway}/v1 (any API key), e.g.\n"
             f"  curl -s {gateway}/v1/chat/completions -H 'X-Session-Id: demo' "
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
+            f"Metrics: http://localhost:{args.prometheus_port} (Prometheus, when installed).\n"
             f"Finished turns land on clawrl:turns "
             f"(redis-cli -p {args.redis_port} XLEN clawrl:turns).\nCtrl-C stops everything.\n",
             flush=True,

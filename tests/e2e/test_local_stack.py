@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> dict[str, int]:
-    ports = {name: free_port() for name in ("gateway", "grpc", "policy", "judge", "redis")}
+    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus")
+    ports = {name: free_port() for name in names}
     run_dir: Path = tmp_path_factory.mktemp("stack")
     log = (run_dir / "stack.log").open("wb")
     proc = subprocess.Popen(
@@ -29,7 +30,8 @@ def stack(tmp_path_factory) -> dict[str, int]:
          "--policy-model", "smollm2-tiny", "--judge-model", "smollm2-tiny",
          "--gateway-port", str(ports["gateway"]), "--grpc-port", str(ports["grpc"]),
          "--policy-port", str(ports["policy"]), "--judge-port", str(ports["judge"]),
-         "--redis-port", str(ports["redis"]), "--run-dir", str(run_dir)],
+         "--redis-port", str(ports["redis"]), "--prometheus-port", str(ports["prometheus"]),
+         "--run-dir", str(run_dir)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

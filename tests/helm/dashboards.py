@@ -1,0 +1,73 @@
+"""What the dashboards query, and which metric names exist: shared by the static dashboard tests
+and the live test against Prometheus."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from clawrl.engine.metrics import EngineMetrics
+from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.judge.metrics import JudgeMetrics
+from clawrl.trainer.metrics import TrainerMetrics
+from tests.conftest import REPO
+
+DASHBOARDS = REPO / "helm" / "clawrl" / "dashboards"
+SGLANG_DOCUMENTED = Path(__file__).parent / "sglang_metrics.txt"
+# Words of PromQL that look like metric names but are not.
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
+            "and", "or", "unless", "inf", "nan"}  # fmt: skip
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+}
+
+
+def dashboards() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every panel."""
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery windows
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w.:$])[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
+        if expr[match.end() :].lstrip().startswith("("):
+            continue  # a function or an aggregation
+        if match.group().lower() not in KEYWORDS:
+            names.add(match.group())
+    return names
+
+
+def exported(registry: CollectorRegistry) -> set[str]:
+    """Every series name a registry exposes, labelled metrics included before their first use."""
+    return {
+        family.name + suffix for family in registry.collect() for suffix in SUFFIXES[family.type]
+    }
+
+
+def known_metric_names() -> set[str]:
+    """Names the services' metrics modules export, plus those SGLang documents."""
+    names = set()
+    for metrics in (GatewayMetrics(), EngineMetrics("model"), JudgeMetrics(), TrainerMetrics()):
+        names |= exported(metrics.registry)
+    documented = SGLANG_DOCUMENTED.read_text().splitlines()
+    return names | {line.strip() for line in documented if line.strip() and line[0] != "#"}
