@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from clawrl.common.models import resolve_model_dir
 from clawrl.trainer.megatron.layout import LayoutError, ModelShape, check_tensor_parallel
+from clawrl.trainer.megatron.placement import trainer_bundles
 from clawrl.trainer.megatron.rank import MegatronRank, RankConfig
 from clawrl.trainer.settings import TrainerSettings
 
@@ -68,12 +69,8 @@ def start_actors(settings: TrainerSettings) -> list:
     """One `MegatronRank` actor per TP rank, in one placement group; rank 0 first."""
     cfg = rank_config(settings)
     check_layout(settings, resolve_model_dir(settings.model))
-    bundle = {"CPU": settings.ray.actor_num_cpus}
-    if settings.ray.actor_num_gpus:
-        bundle["GPU"] = settings.ray.actor_num_gpus
-    group = placement_group(
-        [dict(bundle) for _ in range(cfg.tp)], strategy=settings.megatron.placement_strategy
-    )
+    bundles = trainer_bundles(cfg.tp, settings.ray.actor_num_cpus, settings.ray.actor_num_gpus)
+    group = placement_group(bundles, strategy=settings.megatron.placement_strategy)
     ray.get(group.ready())
 
     def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
