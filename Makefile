@@ -41,6 +41,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_engine.py
 	$(PY) tests/bench/bench_gateway.py
 	$(PY) tests/bench/bench_judge.py
+	$(PY) tests/bench/bench_trainer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

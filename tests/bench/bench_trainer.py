@@ -69,7 +69,7 @@ async def rollouts(url: str, tokenizer, count: int, new_tokens: int) -> list[Sam
     async def one(client: httpx.AsyncClient, i: int) -> Sample:
         messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
         params = {"max_new_tokens": new_tokens, "temperature": 0.7, "top_p": 0.9}
         body = (await client.post(f"{url}/generate", json={"input_ids": prompt,
                 "sampling_params": params, "return_logprob": True})).json()  # fmt: skip

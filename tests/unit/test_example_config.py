@@ -41,3 +41,18 @@ def test_the_judge_reads_its_sections() -> None:
 def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWRL_CONTROL__HOLD_TIMEOUT_S", "7.5")
     assert GatewaySettings().control.hold_timeout_s == 7.5
+
+
+def test_the_trainer_reads_its_sections() -> None:
+    from clawrl.trainer.settings import TrainerSettings
+
+    settings = TrainerSettings()
+    assert settings.rollout.rollout_batch_size == 16
+    assert settings.advantage.estimator == "grpo"
+    assert (settings.ppo.clip_eps, settings.ppo.clip_eps_high, settings.ppo.beta2) == (
+        0.2,
+        0.28,
+        0.98,
+    )
+    assert settings.checkpoint.keep_versions == 3
+    assert settings.train.micro_batch_tokens == 2048

@@ -135,3 +135,24 @@ async def test_a_stopped_batch_stays_pending_and_comes_back(redis, redis_url, tm
     report = await one_step(again)
     assert report.sample_ids == ("p:0", "p:1", "p:2", "p:3")
     assert await pending(redis, settings) == 0
+
+
+async def test_a_batch_the_backend_fails_on_is_dead_lettered(redis, redis_url, tmp_path) -> None:
+    settings = settings_for(redis_url, tmp_path, rollout={"rollout_batch_size": 2})
+    trainer = await start_trainer(settings, redis)  # kl_coef 0: no reference model loaded
+    # Switched to a KL penalty without the reference model: the backend refuses the batch.
+    trainer.settings = settings.model_copy(
+        update={"ppo": settings.ppo.model_copy(update={"kl_coef": 0.1})}
+    )
+    await publish_all(redis, settings, [make_sample(f"k:{i}", [70 + i]) for i in range(4)])
+    assert await one_step(trainer) is None
+    dead = await redis.xrange(settings.redis.deadletter_stream)
+    assert [f[b"id"] for _, f in dead] == [b"k:0", b"k:1"]
+    assert all(b"reference model is not loaded" in f[b"reason"] for _, f in dead)
+    assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="step_failed") == 2
+    assert counter(trainer, "clawrl_trainer_step_failures_total") == 1
+    # The stream goes on: the next batch trains once the configuration is whole again.
+    trainer.settings = settings
+    report = await one_step(trainer)
+    assert report.sample_ids == ("k:2", "k:3") and trainer.state.step == 1
+    assert await pending(redis, settings) == 0

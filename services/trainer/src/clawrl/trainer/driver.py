@@ -5,9 +5,10 @@ the checkpoints' bookkeeping and the step order; the model lives in Ray actors, 
 Every backend method is called on all ranks at once (model-parallel ranks must take part in
 every collective) and rank 0's result is returned.
 
-Backends: `torch` is one actor holding a `TorchBackend`. `megatron` provides
-`clawrl.trainer.megatron.actors.start_actors(settings) -> list[ActorHandle]` (its placement
-group, one actor per rank), each actor exposing the `backend.TrainerBackend` methods.
+Backends: `torch` is one actor holding a `TorchBackend`. `megatron` is a driver-side
+`MegatronBackend` that places its rank actors itself (a placement group, one actor per rank) and
+blocks on them; it is called from a worker thread (`InProcess`) so the event loop keeps serving.
+It provides `MegatronBackend.from_settings(settings)`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from clawrl.trainer.settings import RaySettings, TrainerSettings
 from clawrl.trainer.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
+
+
+class BackendLost(RuntimeError):
+    """The backend's process is gone (an actor died): the trainer must restart from its last
+    state, not go on without a model."""
 
 
 class BackendHandle(Protocol):
@@ -41,7 +47,10 @@ class ActorGroup:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         result_refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
-        results = await asyncio.gather(*result_refs)
+        try:
+            results = await asyncio.gather(*result_refs)
+        except ray.exceptions.RayActorError as exc:
+            raise BackendLost(f"backend actor died during {method}: {exc}") from exc
         return results[0]
 
 
@@ -68,14 +77,16 @@ def connect(settings: RaySettings) -> None:
         log.info("started a local Ray runtime")
 
 
-def start_actors(settings: TrainerSettings) -> ActorGroup:
-    """The backend's actors (not loaded yet)."""
+def start_backend(settings: TrainerSettings) -> BackendHandle:
+    """The configured backend on its Ray actors (not loaded yet)."""
     if settings.train.backend == "megatron":
-        actors = importlib.import_module("clawrl.trainer.megatron.actors")
-        return ActorGroup(actors.start_actors(settings))
+        megatron = importlib.import_module("clawrl.trainer.megatron.backend")
+        return InProcess(megatron.MegatronBackend.from_settings(settings))
+    # Ray sets OMP_NUM_THREADS to the actor's CPU count (1 by default): say it explicitly.
+    threads = settings.train.num_threads or max(1, int(settings.ray.actor_num_cpus))
     remote = ray.remote(TorchBackend).options(
         num_cpus=settings.ray.actor_num_cpus,
         num_gpus=settings.ray.actor_num_gpus,
-        name=None,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
     )
     return ActorGroup([remote.remote(settings.train, settings.ppo)])

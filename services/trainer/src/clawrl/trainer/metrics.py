@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
-DROP_REASONS = ("stale", "duplicate", "invalid", "undecodable")
+DROP_REASONS = ("stale", "duplicate", "invalid", "undecodable", "step_failed")
 
 # Step figures exported as gauges, by the name `policy_objective` / the backend give them.
 STEP_GAUGES = {
@@ -40,7 +40,7 @@ class TrainerMetrics:
         )
         self.samples_dropped = Counter(
             "clawrl_trainer_samples_dropped_total",
-            "Samples not trained, by reason (stale, duplicate, invalid, undecodable).",
+            "Samples not trained, by reason (stale, duplicate, invalid, undecodable, step_failed).",
             ["reason"],
             registry=r,
         )
@@ -77,9 +77,9 @@ class TrainerMetrics:
             name: Gauge(f"clawrl_trainer_{name}", text, registry=r)
             for name, text in STEP_GAUGES.items()
         }
-        self.checkpoint_failures = Counter(
-            "clawrl_trainer_checkpoint_failures_total",
-            "Checkpoints or exports that failed (the trainer stops; entries stay pending).",
+        self.step_failures = Counter(
+            "clawrl_trainer_step_failures_total",
+            "Batches the backend failed to train (dead-lettered with the error).",
             registry=r,
         )
 

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.streams import GroupConsumer
 from clawrl.trainer.checkpoints import CheckpointStore
-from clawrl.trainer.driver import BackendHandle, connect, start_actors
+from clawrl.trainer.driver import BackendHandle, connect, start_backend
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.settings import TrainerSettings
@@ -80,7 +80,7 @@ async def serve(
     redis = Redis.from_url(settings.redis.url, socket_timeout=timeout_s)
     tasks: list[asyncio.Task] = []
     try:
-        backend = start_actors(settings)
+        backend = start_backend(settings)
         trainer = await build_trainer(settings, backend, redis, metrics)
         tasks = [asyncio.create_task(task(settings, redis, stop)) for task in background]
         log.info("training: %d samples per step from %s (group %s)",

@@ -117,6 +117,12 @@ class TrainSettings(Section):
         2048, gt=0, description="Token budget (count x longest, padded) of one micro-batch."
     )
     seed: int = Field(0, description="Seed of torch's generators.")
+    num_threads: int | None = Field(
+        None,
+        gt=0,
+        description="CPU threads of the backend's torch (unset: the CPUs its Ray actor "
+        "reserves, ray.actor_num_cpus).",
+    )
 
 
 class ConsumerSettings(Section):

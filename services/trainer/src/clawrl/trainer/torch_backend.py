@@ -68,6 +68,8 @@ class TorchBackend:
         self.reference = None
         self.optimizer: torch.optim.Optimizer | None = None
         torch.manual_seed(train.seed)
+        if train.num_threads:
+            torch.set_num_threads(train.num_threads)
         hf_logging.disable_progress_bar()  # per-load/save bars flood a service's log
 
     # --- loading ---------------------------------------------------------------------------------
@@ -143,6 +145,10 @@ class TorchBackend:
         forward_backward_s = time.perf_counter() - started
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip)
+        if not torch.isfinite(grad_norm):
+            # A nan/inf gradient would poison the weights and Adam's moments for good.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}); step skipped")
         optimizer_started = time.perf_counter()
         self.optimizer.step()
         totals["grad_norm"] = float(grad_norm)

@@ -25,7 +25,7 @@ from clawrl.common.logs import log_context
 from clawrl.common.streams import GroupConsumer
 from clawrl.common.versions import VersionReady, announce, latest
 from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState
-from clawrl.trainer.driver import BackendHandle
+from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
 from clawrl.trainer.losses import AdvantageInputs, compute_advantages, masked_mean
 from clawrl.trainer.metrics import TrainerMetrics
@@ -118,29 +118,19 @@ class Trainer:
         if self.pending_acks:
             await self.commit()
 
-    async def step(self, collected: Collected) -> StepReport:
+    async def step(self, collected: Collected) -> StepReport | None:
+        """Train one collected batch; None when the backend could not train it (its entries
+        are then dead-lettered with the error, and the stream goes on)."""
         started = time.perf_counter()
         version_at_start = self.state.policy_version
-        cfg = self.settings.ppo.loss_config()
         batch = collate([h.sample for h in collected.held])
-        old_logp = await self.backend.call("compute_logprobs", batch, "policy")
-        ref_logp = None
-        if cfg.kl_coef:
-            ref_logp = await self.backend.call("compute_logprobs", batch, "reference")
-        logprobs_s = time.perf_counter() - started
-        advantages = compute_advantages(
-            AdvantageInputs(
-                reward=batch.reward, old_logp=old_logp, teacher_logp=batch.teacher_logp,
-                has_teacher=batch.has_teacher, mask=batch.loss_mask,
-                group_index=batch.group_index,
-            ),
-            self.settings.advantage_config(),
-        )  # fmt: skip
-        figures = batch_figures(batch, old_logp, advantages)
-        figures |= await self.backend.call(
-            "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
-        )
-        figures["logprobs_s"] = logprobs_s
+        try:
+            figures = await self._optimize(batch)
+        except BackendLost:
+            raise  # no model left: restart from the last state (the entries stay pending)
+        except Exception as exc:  # one batch the backend cannot train must not stop the stream
+            await self._reject(collected, exc)
+            return None
         self.state.step += 1
         self.state.samples_trained += batch.size
         self.uncommitted.update(batch.sample_ids)
@@ -161,6 +151,43 @@ class Trainer:
         self._observe(collected, batch, figures, tokens, version_at_start)
         return StepReport(self.state.step, self.state.policy_version, batch.sample_ids, figures,
                           exported)  # fmt: skip
+
+    async def _optimize(self, batch) -> dict[str, float]:
+        """Old (and reference) log-probs, advantages, one optimizer step -> the step's figures."""
+        started = time.perf_counter()
+        cfg = self.settings.ppo.loss_config()
+        old_logp = await self.backend.call("compute_logprobs", batch, "policy")
+        ref_logp = None
+        if cfg.kl_coef:
+            ref_logp = await self.backend.call("compute_logprobs", batch, "reference")
+        logprobs_s = time.perf_counter() - started
+        advantages = compute_advantages(
+            AdvantageInputs(
+                reward=batch.reward, old_logp=old_logp, teacher_logp=batch.teacher_logp,
+                has_teacher=batch.has_teacher, mask=batch.loss_mask,
+                group_index=batch.group_index,
+            ),
+            self.settings.advantage_config(),
+        )  # fmt: skip
+        figures = batch_figures(batch, old_logp, advantages)
+        figures |= await self.backend.call(
+            "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
+        )
+        figures["logprobs_s"] = logprobs_s
+        return figures
+
+    async def _reject(self, collected: Collected, exc: Exception) -> None:
+        """Dead-letter a batch the backend failed on, with the error, and count it."""
+        reason = f"training step failed: {type(exc).__name__}: {exc}"
+        log.error("step %d failed on %d samples: %s", self.state.step + 1,
+                  len(collected.held), reason, exc_info=exc)  # fmt: skip
+        self.metrics.step_failures.inc()
+        for held in collected.held:
+            await self.consumer.dead_letter(held.entry, reason)
+        self.metrics.samples_consumed.labels("dropped").inc(len(collected.held))
+        self.metrics.samples_dropped.labels("step_failed").inc(len(collected.held))
+        # Duplicates held for this step: their originals were trained before, so they go too.
+        self.pending_acks += collected.ack_with_step
 
     async def export(self, version: int) -> None:
         """Write policy/v{version}; it is announced once the state that includes it commits."""
