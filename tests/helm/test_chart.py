@@ -270,7 +270,24 @@ def test_the_weight_sync_template_and_cronjob_share_one_job_spec(
     assert head["template"]["spec"]["serviceAccountName"] == "clawrl-trainer"
     role = by_kind[("Role", "clawrl-trainer")]
     jobs = next(rule for rule in role["rules"] if rule["resources"] == ["jobs"])
-    assert {"create", "watch"} <= set(jobs["verbs"])
+    assert {"create", "get", "delete", "watch"} <= set(jobs["verbs"])
+    # The launcher runs next to the driver, under the trainer's account, with the template.
+    containers = {c["name"]: c for c in head["template"]["spec"]["containers"]}
+    launcher = containers["weight-sync-launcher"]
+    assert launcher["command"][:2] == ["clawrl-weight-sync", "watch"]
+    launcher_env = {e["name"]: e.get("value") for e in launcher["env"]}
+    mount = next(m for m in launcher["volumeMounts"] if m["name"] == "weight-sync-template")
+    assert launcher_env["CLAWRL_LAUNCHER__JOB_TEMPLATE"] == f"{mount['mountPath']}/job.yaml"
+    # The job reaches every gateway and policy-engine replica through headless Services that
+    # also list not-ready pods (a paused gateway is not ready).
+    (sync,) = template["spec"]["template"]["spec"]["containers"]
+    assert sync["name"] == "weight-sync"
+    env = {e["name"]: e.get("value") for e in sync["env"]}
+    for key, port in (("GATEWAYS", 30001), ("ENGINES", 30000)):
+        service_name = env[f"CLAWRL_{key}__SERVICE"].removesuffix(".ml.svc")
+        service = by_kind[("Service", service_name)]["spec"]
+        assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+        assert [p["port"] for p in service["ports"]] == [port] == [int(env[f"CLAWRL_{key}__PORT"])]
 
 
 def test_settings_reach_containers_as_environment(default_objects: list[dict]) -> None:
@@ -321,8 +338,8 @@ def test_hand_written_yaml_passes_yamllint() -> None:
 
 SERVICE_SETTINGS = {
     ("Deployment", "clawrl-gateway", "gateway"): GatewaySettings,
-    ("Deployment", "clawrl-policy-engine", "sglang"): EngineSettings,
-    ("Deployment", "clawrl-judge-engine", "sglang"): EngineSettings,
+    ("Deployment", "clawrl-policy-engine", "engine"): EngineSettings,
+    ("Deployment", "clawrl-judge-engine", "engine"): EngineSettings,
     ("Deployment", "clawrl-judge", "judge"): JudgeSettings,
     ("RayJob", "clawrl-trainer/head", "ray-head"): TrainerSettings,
     ("RayJob", "clawrl-trainer/gpu", "ray-worker"): TrainerSettings,
@@ -338,14 +355,13 @@ def container_env(objects: list[dict], kind: str, where: str, container: str) ->
     raise AssertionError(f"no {kind}/{where}/{container}")
 
 
-@pytest.mark.parametrize(
-    ("kind", "where", "container"), list(SERVICE_SETTINGS), ids=lambda x: str(x)
-)
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+@pytest.mark.parametrize(("kind", "where", "container"), list(SERVICE_SETTINGS), ids=str)
 def test_each_service_builds_its_settings_from_the_rendered_environment(
     kind: str,
     where: str,
     container: str,
-    default_objects: list[dict],
+    values: Path | None,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
@@ -353,7 +369,7 @@ def test_each_service_builds_its_settings_from_the_rendered_environment(
     field fails validation, and a section the service does not have is caught here (the
     settings would ignore it)."""
     settings_cls = SERVICE_SETTINGS[(kind, where, container)]
-    env = container_env(default_objects, kind, where, container)
+    env = container_env(objects_for(values), kind, where, container)
     for name in [n for n in os.environ if n.startswith("CLAWRL_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("CLAWRL_CONFIG", str(tmp_path / "none.toml"))
@@ -364,3 +380,15 @@ def test_each_service_builds_its_settings_from_the_rendered_environment(
     settings = settings_cls()
     assert settings.logging.format == "json"
     assert str(settings.model.path).startswith("/models/")
+
+
+def test_the_cpu_example_needs_no_gpu() -> None:
+    (cpu,) = [path for path in EXAMPLE_VALUES if path.name == "values-cpu.yaml"]
+    objects = objects_for(cpu)
+    assert not gpu_pods(objects)
+    engines = [o for o in objects if o["metadata"]["name"].endswith("-engine")]
+    for engine in [o for o in engines if o["kind"] == "Deployment"]:
+        (container,) = engine["spec"]["template"]["spec"]["containers"]
+        assert container["args"][-2:] == ["--backend", "cpu"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["CLAWRL_ENGINE__BACKEND"] == "cpu"

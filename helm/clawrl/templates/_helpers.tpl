@@ -169,14 +169,14 @@ securityContext:
     claimName: {{ .Values.volumes.checkpoints.existingClaim | default (include "clawrl.componentName" (dict "root" . "component" "checkpoints")) }}
 {{- end }}
 
-{{/* An SGLang engine (policy or judge): a Deployment running `clawrl-engine --backend sglang`, which execs SGLang's launcher. Call with (dict "root" $ "component" "policy-engine" "values" .Values.policyEngine "model" .Values.models.policy "checkpoints" true). */}}
+{{/* An engine (policy or judge): a Deployment running `clawrl-engine --backend sglang`, which execs SGLang's launcher (or the CPU engine with backend cpu). Call with (dict "root" $ "component" "policy-engine" "values" .Values.policyEngine "model" .Values.models.policy "checkpoints" true). */}}
 {{- define "clawrl.engineDeployment" -}}
 {{- $root := .root }}
 {{- $v := .values }}
 {{- $image := include "clawrl.image" (dict "root" $root "image" $v.image) }}
 {{- $settings := dict
   "model" (dict "path" (printf "/models/%s" .model.name))
-  "engine" (dict "host" "0.0.0.0" "port" 30000 "backend" "sglang")
+  "engine" (dict "host" "0.0.0.0" "port" 30000 "backend" $v.backend)
   "sglang" (dict "tp_size" $v.tensorParallel "enable_metrics" true) }}
 apiVersion: apps/v1
 kind: Deployment
@@ -202,9 +202,11 @@ spec:
       initContainers:
         {{- include "clawrl.modelFetch" (dict "root" $root "model" .model "image" $image "tokenizerOnly" false) | nindent 8 }}
       containers:
-        - name: sglang
+        - name: engine
           image: {{ $image }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          # The image's default flags differ by target; these match the settings below.
+          args: [--host, 0.0.0.0, --port, "30000", --backend, {{ $v.backend }}]
           ports:
             - name: http
               containerPort: 30000
@@ -262,7 +264,7 @@ spec:
             sizeLimit: {{ $v.shmSize }}
 {{- end }}
 
-{{/* The ClusterIP Service of an engine (SGLang API and /metrics on port 30000). */}}
+{{/* The ClusterIP Service of an engine (SGLang API and /metrics on port 30000), and with "replicas" true a headless one that resolves to every replica (the weight sync loads each). */}}
 {{- define "clawrl.engineService" -}}
 apiVersion: v1
 kind: Service
@@ -278,9 +280,28 @@ spec:
     - name: http
       port: 30000
       targetPort: http
+{{- if .replicas }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "clawrl.componentName" . }}-replicas
+  labels:
+    {{- include "clawrl.labels" . | nindent 4 }}
+spec:
+  clusterIP: None
+  # A replica still loading weights must get the new version too.
+  publishNotReadyAddresses: true
+  selector:
+    {{- include "clawrl.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: http
+      port: 30000
+      targetPort: http
+{{- end }}
 {{- end }}
 
-{{/* A ServiceMonitor scraping /metrics of a component's Service port. Call with (dict "root" $ "component" "gateway" "port" "http"). */}}
+{{/* A ServiceMonitor scraping /metrics of a component's Service port(s). Call with (dict "root" $ "component" "gateway" "port" "http"), or "ports" (list ...) for several. */}}
 {{- define "clawrl.serviceMonitor" -}}
 apiVersion: monitoring.coreos.com/v1
 kind: ServiceMonitor
@@ -296,10 +317,12 @@ spec:
     matchLabels:
       {{- include "clawrl.selectorLabels" . | nindent 6 }}
   endpoints:
-    - port: {{ .port }}
+    {{- range (.ports | default (list .port)) }}
+    - port: {{ . }}
       path: /metrics
-      interval: {{ .root.Values.serviceMonitor.interval }}
-      scrapeTimeout: {{ .root.Values.serviceMonitor.scrapeTimeout }}
+      interval: {{ $.root.Values.serviceMonitor.interval }}
+      scrapeTimeout: {{ $.root.Values.serviceMonitor.scrapeTimeout }}
+    {{- end }}
 {{- end }}
 
 {{/* A NetworkPolicy peer matching every pod of this release. */}}
@@ -310,7 +333,7 @@ spec:
       app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPort" 30000); metricsPort may be omitted. */}}
+{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPorts" (list 30000)); metricsPorts may be omitted. */}}
 {{- define "clawrl.internalNetworkPolicy" -}}
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
@@ -332,11 +355,13 @@ spec:
         - port: {{ . }}
         {{- end }}
       {{- end }}
-    {{- if and .metricsPort .root.Values.networkPolicy.scrapeFrom }}
+    {{- if and .metricsPorts .root.Values.networkPolicy.scrapeFrom }}
     - from:
         {{- toYaml .root.Values.networkPolicy.scrapeFrom | nindent 8 }}
       ports:
-        - port: {{ .metricsPort }}
+        {{- range .metricsPorts }}
+        - port: {{ . }}
+        {{- end }}
     {{- end }}
 {{- end }}
 
@@ -344,7 +369,11 @@ spec:
 {{- define "clawrl.weightSyncJobSpec" -}}
 {{- $ctx := dict "root" . "component" "weight-sync" }}
 {{- $v := .Values.weightSync }}
-{{- $settings := dict }}
+{{- $gateways := printf "%s-control.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "gateway")) .Release.Namespace }}
+{{- $engines := printf "%s-replicas.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "policy-engine")) .Release.Namespace }}
+{{- $settings := dict
+  "gateways" (dict "service" $gateways "port" 30001)
+  "engines" (dict "service" $engines "port" 30000) }}
 backoffLimit: {{ $v.backoffLimit }}
 activeDeadlineSeconds: {{ $v.activeDeadlineSeconds }}
 ttlSecondsAfterFinished: {{ $v.ttlSecondsAfterFinished }}
@@ -365,6 +394,13 @@ template:
         command: [clawrl-weight-sync]
         env:
           {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | nindent 10 }}
+          {{- with .Values.gateway.controlTokenSecret }}
+          - name: CLAWRL_GATEWAYS__TOKEN
+            valueFrom:
+              secretKeyRef:
+                name: {{ . }}
+                key: token
+          {{- end }}
         resources:
           {{- toYaml $v.resources | nindent 10 }}
         securityContext:
