@@ -1,6 +1,7 @@
 """Every service has a Dockerfile that hadolint (the real binary) passes, runs as non-root, and
 installs what its service needs (no torch in the gateway and judge images)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -70,3 +71,30 @@ def test_trainer_image_has_torch_megatron_and_ray() -> None:
     (stage,) = stages(REPO / "services" / "trainer" / "Dockerfile")
     run = " ".join(line for line in stage if line.upper().startswith("RUN "))
     assert "torch==" in run and "ray[default]==" in run and "trainer[megatron]" in run
+
+
+def settings_class(service: str) -> type:
+    from clawrl.engine.settings import EngineSettings
+    from clawrl.gateway.settings import GatewaySettings
+    from clawrl.judge.settings import JudgeSettings
+    from clawrl.trainer.settings import TrainerSettings
+
+    return {
+        "gateway": GatewaySettings,
+        "judge": JudgeSettings,
+        "rollout-engine": EngineSettings,
+        "trainer": TrainerSettings,
+    }[service]
+
+
+@pytest.mark.parametrize("service", IMAGES, ids=lambda p: p.name)
+def test_settings_set_by_an_image_exist(service: Path) -> None:
+    """An image's CLAWRL_<SECTION>__<FIELD> names a field its service has (settings ignore
+    unknown sections silently, so a renamed section would otherwise go unnoticed)."""
+    text = (service / "Dockerfile").read_text()
+    names = re.findall(r"\bCLAWRL_([A-Z_]+?)__([A-Z_]+)=", text)
+    assert names, "every image sets at least the JSON log format"
+    fields = settings_class(service.name).model_fields
+    for section, field in names:
+        assert section.lower() in fields, f"CLAWRL_{section}__{field}"
+        assert field.lower() in fields[section.lower()].annotation.model_fields, field
