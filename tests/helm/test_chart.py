@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -392,3 +393,41 @@ def test_the_cpu_example_needs_no_gpu() -> None:
         assert container["args"][-2:] == ["--backend", "cpu"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["CLAWRL_ENGINE__BACKEND"] == "cpu"
+
+
+# Values whose contents are data (Kubernetes objects, clawrl settings), not chart options.
+DATA_KEYS = {"settings", "resources", "fetchResources", "nodeSelector", "labels",
+             "podSecurityContext", "securityContext", "scrapeFrom", "tolerations"}  # fmt: skip
+
+
+def uncommented_keys(text: str) -> list[str]:
+    """Keys of values.yaml with no comment on the line above (or at the end of their line)."""
+    missing, parents, previous = [], [], ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("#"):
+            indent = len(line) - len(line.lstrip())
+            while parents and parents[-1][0] >= indent:
+                parents.pop()
+            key = re.match(r"\s*(- )?([A-Za-z_][\w.-]*):", line)
+            if key:
+                in_data = any(name in DATA_KEYS or item for _, name, item in parents)
+                commented = previous.lstrip().startswith("#") or " # " in line
+                if not (key.group(1) or in_data or commented):
+                    missing.append(f"{number}: {line.strip()}")
+                parents.append((indent, key.group(2), bool(key.group(1))))
+        previous = line
+    return missing
+
+
+def test_every_value_has_a_comment() -> None:
+    assert not uncommented_keys((CHART / "values.yaml").read_text())
+    assert uncommented_keys("a:\n  # -- b\n  b: 1\n  c: 2\n") == ["1: a:", "4: c: 2"]
+
+
+def test_every_helper_has_a_comment() -> None:
+    lines = (CHART / "templates" / "_helpers.tpl").read_text().splitlines()
+    defines = [i for i, line in enumerate(lines) if line.startswith("{{- define ")]
+    assert len(defines) >= 10
+    assert [lines[i] for i in defines if not lines[i - 1].startswith("{{/*")] == []
