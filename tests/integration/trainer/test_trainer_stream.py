@@ -4,6 +4,7 @@ drop, dedupe of redelivered samples, bad samples dead-lettered, nothing left ove
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 from redis.asyncio import Redis
@@ -156,3 +157,18 @@ async def test_a_batch_the_backend_fails_on_is_dead_lettered(redis, redis_url, t
     report = await one_step(trainer)
     assert report.sample_ids == ("k:2", "k:3") and trainer.state.step == 1
     assert await pending(redis, settings) == 0
+
+
+async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer(
+    redis, redis_url, tmp_path
+) -> None:
+    settings = settings_for(redis_url, tmp_path, rollout={"rollout_batch_size": 2})
+    trainer = await start_trainer(settings, redis)
+    shutil.rmtree(tmp_path / "policy")
+    (tmp_path / "policy").write_text("not a directory")  # the export cannot be renamed there
+    await publish_all(redis, settings, [make_sample(f"w:{i}", [80 + i]) for i in range(2)])
+    with pytest.raises(NotADirectoryError):
+        await one_step(trainer)
+    assert counter(trainer, "clawrl_trainer_checkpoint_failures_total") == 1
+    assert await pending(redis, settings) == 2  # nothing acknowledged: trained again on restart
+    assert trainer.store.latest_state() is None

@@ -77,6 +77,12 @@ class TrainerMetrics:
             name: Gauge(f"clawrl_trainer_{name}", text, registry=r)
             for name, text in STEP_GAUGES.items()
         }
+        self.checkpoint_failures = Counter(
+            "clawrl_trainer_checkpoint_failures_total",
+            "States or exports that could not be written (the trainer stops; the step's entries "
+            "stay pending and are trained again after the restart).",
+            registry=r,
+        )
         self.step_failures = Counter(
             "clawrl_trainer_step_failures_total",
             "Batches the backend failed to train (dead-lettered with the error).",

@@ -137,14 +137,22 @@ class Trainer:
         self.pending_acks += [h.entry.entry_id for h in collected.held] + collected.ack_with_step
 
         exported = self.state.step % self.settings.checkpoint.sync_interval == 0
-        if exported:
-            export_started = time.perf_counter()
-            await self.export(self.state.policy_version + 1)
-            figures["export_s"] = time.perf_counter() - export_started
-        if exported or self.state.step % self.settings.checkpoint.state_interval == 0:
-            commit_started = time.perf_counter()
-            await self.commit()
-            figures["checkpoint_s"] = time.perf_counter() - commit_started
+        try:
+            if exported:
+                export_started = time.perf_counter()
+                await self.export(self.state.policy_version + 1)
+                figures["export_s"] = time.perf_counter() - export_started
+            if exported or self.state.step % self.settings.checkpoint.state_interval == 0:
+                commit_started = time.perf_counter()
+                await self.commit()
+                figures["checkpoint_s"] = time.perf_counter() - commit_started
+        except BackendLost:
+            raise
+        except Exception:
+            # Not durable: stop, and let the restart replay from the last state.
+            self.metrics.checkpoint_failures.inc()
+            log.exception("could not write the checkpoint of step %d", self.state.step)
+            raise
         figures["step_s"] = time.perf_counter() - started
         tokens = int(batch.lengths.sum())
         figures["tokens_per_second"] = tokens / figures["step_s"]
