@@ -266,7 +266,13 @@ def test_the_weight_sync_template_and_cronjob_share_one_job_spec(
     cronjob = by_kind[("CronJob", "clawrl-weight-sync")]
     assert cronjob["spec"]["suspend"] is True
     assert template["kind"] == "Job" and template["metadata"]["namespace"] == "ml"
-    assert template["spec"] == cronjob["spec"]["jobTemplate"]["spec"]
+    # One spec; by hand (the CronJob) `run` syncs the newest announced version, while the
+    # launcher adds `run --version N --path P` to the template's container.
+    manual = copy.deepcopy(cronjob["spec"]["jobTemplate"]["spec"])
+    (manual_container,) = manual["template"]["spec"]["containers"]
+    assert manual_container.pop("args") == ["run"]
+    assert template["spec"] == manual
+    assert "args" not in template["spec"]["template"]["spec"]["containers"][0]
     head = by_kind[("RayJob", "clawrl-trainer")]["spec"]["rayClusterSpec"]["headGroupSpec"]
     assert head["template"]["spec"]["serviceAccountName"] == "clawrl-trainer"
     role = by_kind[("Role", "clawrl-trainer")]

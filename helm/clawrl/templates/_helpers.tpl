@@ -365,8 +365,10 @@ spec:
     {{- end }}
 {{- end }}
 
-{{/* The weight-sync Job's spec: pause every gateway replica, load the newest announced policy version into the policy engine, resume. The trainer instantiates it (ConfigMap <release>-weight-sync) and the suspended CronJob carries the same spec. */}}
+{{/* The weight-sync Job's spec: pause every gateway replica, load a policy version into every policy engine, resume. The launcher instantiates it per version (ConfigMap <release>-weight-sync; it adds `run --version N --path P`); the suspended CronJob carries the same spec with `run` (the newest announced version). Call with (dict "root" $ "args" (list "run")); args may be omitted. */}}
 {{- define "clawrl.weightSyncJobSpec" -}}
+{{- $args := .args }}
+{{- with .root }}
 {{- $ctx := dict "root" . "component" "weight-sync" }}
 {{- $v := .Values.weightSync }}
 {{- $gateways := printf "%s-control.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "gateway")) .Release.Namespace }}
@@ -392,6 +394,9 @@ template:
         image: {{ include "clawrl.image" (dict "root" . "image" $v.image) }}
         imagePullPolicy: {{ .Values.image.pullPolicy }}
         command: [clawrl-weight-sync]
+        {{- with $args }}
+        args: {{ toJson . }}
+        {{- end }}
         env:
           {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | nindent 10 }}
           {{- with .Values.gateway.controlTokenSecret }}
@@ -405,4 +410,5 @@ template:
           {{- toYaml $v.resources | nindent 10 }}
         securityContext:
           {{- toYaml .Values.securityContext | nindent 10 }}
+{{- end }}
 {{- end }}
