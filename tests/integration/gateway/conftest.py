@@ -81,9 +81,10 @@ class GatewayFactory:
     def ready(self, handle: GatewayHandle) -> GatewayHandle:
         if not handle.ready:
             try:
+                # Generous: on a loaded 2-core host several gateways load tokenizers at once.
                 wait_until(
                     lambda: httpx.get(f"{handle.url}/healthz", timeout=1).status_code == 200,
-                    120,
+                    300,
                     handle.child.name,
                     handle.child.proc,
                 )

@@ -187,6 +187,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             stream=settings.redis.turns_stream,
             maxlen=settings.redis.stream_maxlen,
             ttl_s=settings.sessions.ttl_s,
+            dedupe_ttl_s=settings.sessions.dedupe_ttl_s,
         )
         recorder = Recorder(
             store,

@@ -73,6 +73,14 @@ class GatewayMetrics:
             "Turns finalised by a request whose history did not extend them.",
             registry=r,
         )
+        self.ambiguous_histories = Counter(
+            "clawrl_gateway_ambiguous_histories_total",
+            "Anonymous histories two live sessions of one caller share (identical openings): "
+            "event=claim when the second claims it, new_session when a follow-up therefore "
+            "started a new session.",
+            ["event"],
+            registry=r,
+        )
         self.recording_failures = Counter(
             "clawrl_gateway_recording_failures_total",
             "Recording steps that failed (Redis unavailable, ...); serving went on.",

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from clawrl.gateway.errors import InvalidRequest
+from clawrl.gateway.sessions import caller_scope
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TURN_TYPES = ("main", "side")
@@ -27,6 +28,7 @@ class SessionMeta:
     session_id: str | None = None
     turn_type: str | None = None  # None: the configured default applies
     session_done: bool = False
+    scope: str = "-"  # caller_scope: whose anonymous conversations this request may continue
 
 
 @dataclass
@@ -130,7 +132,13 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str]) -> SessionMet
     done = headers.get("x-session-done")
     if done is None:
         done = body.get("session_done", False)
-    return SessionMeta(session_id, turn_type, _truthy(done))
+    scheme, _, credential = headers.get("authorization", "").partition(" ")
+    user = data.get("user")
+    scope = caller_scope(
+        credential.strip() if scheme.lower() == "bearer" else None,
+        user if isinstance(user, str) else None,
+    )
+    return SessionMeta(session_id, turn_type, _truthy(done), scope)
 
 
 def _truthy(value: Any) -> bool:

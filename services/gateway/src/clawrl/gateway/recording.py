@@ -10,6 +10,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,36 @@ log = logging.getLogger(__name__)
 RECORDING_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
+def next_state_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What follows the last assistant reply of a request (all tool results of parallel calls,
+    then the user's message): the next state of the turn that reply came from. A request with
+    no assistant message (or ending with one) gives its last message."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            return list(messages[i + 1 :]) or [messages[-1]]
+    return [messages[-1]]
+
+
+def policy_version_of(weight_version: str, gate_version: int) -> int:
+    """The integer policy version of a turn: the engine's weight_version for its tokens when it
+    is a number, else the version the pause gate announced (engines started with a name)."""
+    try:
+        return int(weight_version)
+    except ValueError:
+        return gate_version
+
+
 @dataclass
 class TurnContext:
     """A main request's session as resolved when it arrived."""
 
+    request_id: str  # keys the session scripts' writes, so a retried write is a no-op
     session_id: str  # "" until resolved, when the client sent none
     explicit: bool  # the client named the session
+    scope: str  # caller_scope of the client: its anonymous conversations' namespace
     hashes: list[str]  # history_hashes of the request's messages
     prefixes: list[str]  # assistant_prefixes: histories this request may continue
-    last_message: dict[str, Any]  # the next state of the session's pending turn
+    next_state: list[dict[str, Any]]  # next_state_messages of the request
     done: bool
     ready: asyncio.Task | None = None  # the advance step, overlapping the generation
 
@@ -47,6 +69,7 @@ class ServedTurn:
 
     model: str
     policy_version: int
+    weight_version: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     prompt_ids: list[int]
@@ -69,24 +92,27 @@ def _timestamp(ns: int | None = None) -> Timestamp:
 def finalize_extra(
     gateway_id: str,
     reason: int,
-    next_state: dict[str, Any] | None = None,
+    next_state: Sequence[dict[str, Any]] = (),
     history_mismatch: bool = False,
 ) -> bytes:
     """The finalisation fields, serialised; appended to a pending turn's bytes they merge in."""
     turn = Turn(finalize_reason=reason, gateway_id=gateway_id, finalized_at=_timestamp())
-    if next_state is not None:
-        turn.next_state_json = orjson.dumps(next_state).decode()
+    if next_state:
+        turn.next_state_messages_json.extend(orjson.dumps(m).decode() for m in next_state)
+        turn.next_state_json = turn.next_state_messages_json[-1]
     if history_mismatch:
         turn.history_mismatch = True
     return turn.SerializeToString()
 
 
-def pending_turn(session_id: str, served: ServedTurn) -> bytes:
+def pending_turn(session_id: str, request_id: str, served: ServedTurn) -> bytes:
     """A served turn as stored while it waits for its next state (the store adds id/index)."""
     return Turn(
         session_id=session_id,
+        request_id=request_id,
         model=served.model,
         policy_version=served.policy_version,
+        weight_version=served.weight_version,
         messages_json=orjson.dumps(served.messages).decode(),
         tools_json=orjson.dumps(served.tools).decode() if served.tools else "",
         prompt_ids=served.prompt_ids,
@@ -139,52 +165,53 @@ class Recorder:
 
     def begin(
         self,
+        request_id: str,
         session_id: str | None,
         messages: list[dict[str, Any]],
-        raw_last_message: dict[str, Any],
+        raw_messages: list[dict[str, Any]],
+        *,
+        scope: str,
         done: bool,
     ) -> TurnContext:
         """Start resolving the session of a main request (in the background, so it overlaps
         the generation): find it by history when no id was sent, then finalise its pending
-        turn with this request's last message as the next state."""
+        turn with this request's next state."""
         hashes = history_hashes(messages)
         context = TurnContext(
+            request_id=request_id,
             session_id=session_id or "",
             explicit=session_id is not None,
+            scope=scope,
             hashes=hashes,
             prefixes=assistant_prefixes(messages, hashes),
-            last_message=raw_last_message,
+            next_state=next_state_messages(raw_messages),
             done=done,
         )
         context.ready = asyncio.create_task(self._advance(context))
         return context
 
     async def _advance(self, context: TurnContext) -> bool:
+        anonymous = not context.explicit
         try:
-            if not context.explicit:
-                found = None
-                if self.anonymous_matching:
-                    found = await self.store.find_session(context.prefixes)
-                if found is None:
-                    # A new conversation: nothing can be pending, save the round trip.
-                    context.session_id = f"anon-{uuid.uuid4().hex}"
-                    return True
-                context.session_id = found
             result = await self.store.advance(
-                context.session_id,
-                context.prefixes,
-                finalize_extra(
-                    self.gateway_id,
-                    FinalizeReason.FINALIZE_REASON_NEXT_STATE,
-                    context.last_message,
+                context.request_id,
+                context.session_id if context.explicit else None,
+                scope=context.scope,
+                prefixes=context.prefixes if context.explicit or self.anonymous_matching else (),
+                next_state=finalize_extra(
+                    self.gateway_id, FinalizeReason.FINALIZE_REASON_NEXT_STATE, context.next_state
                 ),
-                Turn(history_mismatch=True).SerializeToString(),
+                mismatch=Turn(history_mismatch=True).SerializeToString(),
+                new_session_id=f"anon-{uuid.uuid4().hex}",
             )
         except RECORDING_ERRORS as exc:
             if not context.session_id:
                 context.session_id = f"anon-{uuid.uuid4().hex}"
             self._failed("advance", exc, context.session_id)
             return False
+        context.session_id = result.session_id
+        if anonymous and result.ambiguous:
+            self._ambiguous("new_session", context.session_id)
         if result.finalized_turn_id:
             self._finalized("next_state", result.finalized_turn_id)
             if result.history_mismatch:
@@ -196,6 +223,16 @@ class Recorder:
                     extra={"session_id": context.session_id},
                 )
         return True
+
+    def _ambiguous(self, event: str, session_id: str) -> None:
+        self.metrics.ambiguous_histories.labels(event).inc()
+        log.info(
+            "a history claimed by two live sessions of one caller: %s",
+            "this anonymous request started a new session instead of guessing"
+            if event == "new_session"
+            else "anonymous follow-ups of it will start new sessions",
+            extra={"session_id": session_id},
+        )
 
     async def session_of(self, context: TurnContext) -> str:
         """The resolved session id (waits for the advance step)."""
@@ -212,20 +249,22 @@ class Recorder:
             # back: advance once more, and record nothing if it still fails.
             if not await self._advance(context):
                 return None
-        history_hash = extend_hash(context.hashes[-1], served.response_message)
         done = (
             finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
             if context.done
             else b""
         )
-        superseded = finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED)
         try:
             stored = await self.store.store(
+                context.request_id,
                 context.session_id,
-                pending_turn(context.session_id, served),
-                history_hash,
-                superseded,
-                done,
+                scope=context.scope,
+                turn=pending_turn(context.session_id, context.request_id, served),
+                history_hash=extend_hash(context.hashes[-1], served.response_message),
+                superseded=finalize_extra(
+                    self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
+                ),
+                done=done,
             )
         except RECORDING_ERRORS as exc:
             self._failed("store", exc, context.session_id)
@@ -233,14 +272,17 @@ class Recorder:
         self.metrics.turns_recorded.inc()
         if stored.superseded_turn_id:
             self._finalized("superseded", stored.superseded_turn_id)
+        if stored.ambiguous:
+            self._ambiguous("claim", context.session_id)
         if context.done:
             self._finalized("done", stored.turn_id)
         return stored.turn_id
 
-    async def close(self, session_id: str) -> str | None:
+    async def close(self, request_id: str, session_id: str) -> str | None:
         """X-Session-Done on a request that records nothing: finalise the pending turn."""
         try:
             turn_id = await self.store.finalize(
+                request_id,
                 session_id,
                 finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE),
             )
@@ -256,7 +298,9 @@ class Recorder:
         finalized = 0
         extra = finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_IDLE_TIMEOUT)
         for session_id in await self.store.idle_sessions(cutoff, self.sweep_batch):
-            turn_id = await self.store.finalize(session_id, extra, idle_cutoff=cutoff)
+            turn_id = await self.store.finalize(
+                f"sweep-{uuid.uuid4().hex}", session_id, extra, idle_cutoff=cutoff
+            )
             if turn_id:
                 finalized += 1
                 self._finalized("idle", turn_id)

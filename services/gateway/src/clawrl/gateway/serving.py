@@ -32,8 +32,8 @@ from clawrl.gateway.errors import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
-from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext
-from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, parse_tool_calls
+from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext, policy_version_of
+from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Generation:
     token_texts: list[str | None] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" once finished
     prompt_tokens: int = 0
+    weight_version: str = ""  # the engine's, for the weights that sampled these tokens
 
     def update(self, reply: dict[str, Any]) -> str:
         """Take one /generate reply or stream event; returns the text it adds. Handles both
@@ -89,6 +90,8 @@ class Generation:
                 f"the engine returned {len(self.ids)} output ids but {len(self.logprobs)} log-probs"
             )
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
+        if meta.get("weight_version") is not None:
+            self.weight_version = str(meta["weight_version"])
         finish = meta.get("finish_reason")
         if finish:
             kind = finish.get("type") if isinstance(finish, dict) else str(finish)
@@ -96,6 +99,19 @@ class Generation:
                 raise EngineBadReply(f"the engine ended the generation with {kind!r}")
             self.finish = kind
         return added
+
+
+def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
+    """The assistant message of a response, streamed or not (anonymous matching hashes it, so
+    both paths must build it the same way): with tool calls, the text around them, stripped,
+    or None."""
+    if not calls:
+        return {"role": "assistant", "content": content or ""}
+    return {
+        "role": "assistant",
+        "content": (content or "").strip() or None,
+        "tool_calls": [call.to_openai() for call in calls],
+    }
 
 
 def openai_logprobs(generation: Generation, start: int = 0) -> dict[str, Any]:
@@ -200,14 +216,16 @@ class ChatService:
     def is_main(self, request: ChatRequest) -> bool:
         return (request.session.turn_type or self.default_turn_type) == "main"
 
-    def _begin_turn(self, request: ChatRequest) -> TurnContext | None:
+    def _begin_turn(self, request: ChatRequest, request_id: str) -> TurnContext | None:
         if self.recorder is None or not self.is_main(request):
             return None
         return self.recorder.begin(
+            request_id,
             request.session.session_id,
             request.render_messages,
-            request.messages[-1],
-            request.session.session_done,
+            request.messages,
+            scope=request.session.scope,
+            done=request.session.session_done,
         )
 
     # --- building responses -------------------------------------------------------------
@@ -219,11 +237,7 @@ class ChatService:
             if request.parse_tool_calls
             else (generation.text, [])
         )
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.to_openai() for call in calls]
-        finish = "tool_calls" if calls else (generation.finish or "stop")
-        return message, finish
+        return assistant_message(content, calls), finish_reason(generation, calls)
 
     def _usage(self, generation: Generation, prompt_tokens: int) -> dict[str, int]:
         completion = len(generation.ids)
@@ -249,6 +263,7 @@ class ChatService:
     async def _record(
         self,
         request: ChatRequest,
+        request_id: str,
         turn: TurnContext | None,
         prompt_ids: list[int],
         generation: Generation,
@@ -261,11 +276,12 @@ class ChatService:
             return {}
         if turn is None:
             if request.session.session_done and request.session.session_id:
-                await self.recorder.close(request.session.session_id)
+                await self.recorder.close(request_id, request.session.session_id)
             return {}
         served = ServedTurn(
             model=self.model_name,
             policy_version=policy_version,
+            weight_version=generation.weight_version,
             messages=request.messages,
             tools=request.tools,
             prompt_ids=prompt_ids,
@@ -283,7 +299,9 @@ class ChatService:
             headers["X-Turn-Id"] = turn_id
         return headers
 
-    async def _abandon(self, request: ChatRequest, turn: TurnContext | None) -> None:
+    async def _abandon(
+        self, request: ChatRequest, request_id: str, turn: TurnContext | None
+    ) -> None:
         """A request that failed still closes its session when it said so."""
         if self.recorder is None or not request.session.session_done:
             return
@@ -291,7 +309,7 @@ class ChatService:
         if turn is not None:
             session_id = await self.recorder.session_of(turn)
         if session_id:
-            await self.recorder.close(session_id)
+            await self.recorder.close(request_id, session_id)
 
     # --- non-streaming ------------------------------------------------------------------
 
@@ -299,20 +317,22 @@ class ChatService:
         """A whole chat completion and the response headers (session and turn ids)."""
         prompt_ids = await self.prompt_ids(request)
         payload = self.payload(request, prompt_ids)
-        turn = self._begin_turn(request)
+        request_id = new_request_id()
+        turn = self._begin_turn(request, request_id)
         try:
-            async with self.gate.admit() as policy_version:
+            async with self.gate.admit() as gate_version:
                 reply = await self.engine.generate(payload)
             generation = Generation()
             generation.update(reply)
         except Exception as exc:
             self._engine_failed(exc)
-            await self._abandon(request, turn)
+            await self._abandon(request, request_id, turn)
             raise
-        message, finish_reason = self._message(request, generation)
+        policy_version = policy_version_of(generation.weight_version, gate_version)
+        message, finish = self._message(request, generation)
         self._count_tokens(len(prompt_ids), len(generation.ids))
         response = {
-            "id": "chatcmpl-" + secrets.token_hex(12),
+            "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
@@ -322,13 +342,13 @@ class ChatService:
                     "index": 0,
                     "message": message,
                     "logprobs": openai_logprobs(generation) if request.logprobs else None,
-                    "finish_reason": finish_reason,
+                    "finish_reason": finish,
                 }
             ],
             "usage": self._usage(generation, len(prompt_ids)),
         }
         headers = await self._record(
-            request, turn, prompt_ids, generation, message, finish_reason, policy_version
+            request, request_id, turn, prompt_ids, generation, message, finish, policy_version
         )
         return response, headers
 
@@ -339,11 +359,12 @@ class ChatService:
         (validation, hold timeout, engine down) fails here, before the response starts."""
         prompt_ids = await self.prompt_ids(request)
         payload = self.payload(request, prompt_ids)
-        turn = self._begin_turn(request)
+        request_id = new_request_id()
+        turn = self._begin_turn(request, request_id)
         admission = contextlib.AsyncExitStack()
         events = None
         try:
-            policy_version = await admission.enter_async_context(self.gate.admit())
+            gate_version = await admission.enter_async_context(self.gate.admit())
             events = self.engine.generate_stream(payload)
             first = await anext(events)
         except BaseException as exc:
@@ -354,7 +375,7 @@ class ChatService:
                 exc = EngineBadReply("the engine's stream ended without an event")
             if isinstance(exc, Exception):
                 self._engine_failed(exc)
-                await self._abandon(request, turn)
+                await self._abandon(request, request_id, turn)
             raise exc from None
         self.metrics.ttft.observe(time.perf_counter() - started)
 
@@ -362,23 +383,28 @@ class ChatService:
             await events.aclose()
             await admission.aclose()
 
-        return OpenStream(
-            self._sse(request, turn, prompt_ids, policy_version, first, events, release),
-            release,
-        )
+        stream = StreamState(request, request_id, turn, prompt_ids, gate_version)
+        return OpenStream(self._sse(stream, first, events, release), release)
 
     async def _sse(
         self,
-        request: ChatRequest,
-        turn: TurnContext | None,
-        prompt_ids: list[int],
-        policy_version: int,
+        stream: StreamState,
         first: dict[str, Any],
         events: AsyncIterator[dict[str, Any]],
         release: Callable[[], Awaitable[None]],
     ) -> AsyncIterator[bytes]:
+        request = stream.request
+        generation = Generation()
+        try:
+            generation.update(first)
+        except Exception as exc:
+            await release()
+            yield await self._stream_failed(stream, exc)
+            return
+        # The first event already tells which weights are sampling.
+        policy_version = policy_version_of(generation.weight_version, stream.gate_version)
         base = {
-            "id": "chatcmpl-" + secrets.token_hex(12),
+            "id": stream.request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": self.model_name,
@@ -393,8 +419,7 @@ class ChatService:
         parser = StreamingToolCallParser(
             self.tool_call_parser if request.parse_tool_calls else "none"
         )
-        generation = Generation()
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCall] = []
         content: list[str] = []
         sent_tokens = 0
 
@@ -408,7 +433,7 @@ class ChatService:
                     sent_tokens = len(generation.ids)
                 if delta.tool_call is not None:
                     call = delta.tool_call.to_openai(index=len(calls))
-                    calls.append(delta.tool_call.to_openai())
+                    calls.append(delta.tool_call)
                     out.append(chunk({"tool_calls": [call]}, logprobs=logprobs))
                 elif delta.content:
                     content.append(delta.content)
@@ -418,7 +443,7 @@ class ChatService:
         try:
             yield chunk({"role": "assistant", "content": ""})
             try:
-                for piece in pieces(parser.feed(generation.update(first))):
+                for piece in pieces(parser.feed(generation.text)):
                     yield piece
                 async for event in events:
                     for piece in pieces(parser.feed(generation.update(event))):
@@ -428,28 +453,55 @@ class ChatService:
             for piece in pieces(parser.finish()):
                 yield piece
         except Exception as exc:
-            self._engine_failed(exc)
-            await self._abandon(request, turn)
-            yield b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
+            yield await self._stream_failed(stream, exc)
             return
         if generation.finish is None:
             generation.finish = "stop"
-        finish_reason = "tool_calls" if calls else generation.finish
-        yield chunk({}, finish_reason)
-        if request.include_usage:
-            usage = self._usage(generation, len(prompt_ids))
-            yield b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
-        self._count_tokens(len(prompt_ids), len(generation.ids))
-        text = "".join(content)
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": (text.strip() if calls else text) or None,
-        }
-        if calls:
-            message["tool_calls"] = calls
-        if turn is not None or request.session.session_done:
-            with log_context(session_id=turn.session_id if turn else None):
+        finish = finish_reason(generation, calls)
+        self._count_tokens(len(stream.prompt_ids), len(generation.ids))
+        # Stored before the finish chunk leaves: a client that sends its next request (or
+        # hangs up) on finish_reason, before [DONE], must find the turn pending.
+        if stream.turn is not None or request.session.session_done:
+            with log_context(session_id=stream.turn.session_id if stream.turn else None):
                 await self._record(
-                    request, turn, prompt_ids, generation, message, finish_reason, policy_version
+                    request,
+                    stream.request_id,
+                    stream.turn,
+                    stream.prompt_ids,
+                    generation,
+                    assistant_message("".join(content), calls),
+                    finish,
+                    policy_version,
                 )
+        yield chunk({}, finish)
+        if request.include_usage:
+            usage = self._usage(generation, len(stream.prompt_ids))
+            yield b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
         yield DONE
+
+    async def _stream_failed(self, stream: StreamState, exc: Exception) -> bytes:
+        """The error event that ends a stream which broke after it started."""
+        self._engine_failed(exc)
+        await self._abandon(stream.request, stream.request_id, stream.turn)
+        return b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """What a started stream carries from its opening to its end."""
+
+    request: ChatRequest
+    request_id: str
+    turn: TurnContext | None
+    prompt_ids: list[int]
+    gate_version: int
+
+
+def new_request_id() -> str:
+    """The response id, which also keys the session scripts' writes of this request."""
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def finish_reason(generation: Generation, calls: list[ToolCall]) -> str:
+    """OpenAI finish reason of a finished generation."""
+    return "tool_calls" if calls else (generation.finish or "stop")

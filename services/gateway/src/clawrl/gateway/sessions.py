@@ -1,4 +1,4 @@
-"""Session state in Redis, shared by every replica.
+"""Session state in Redis, shared by every replica. The scripts live in `lua/*.lua`.
 
 Keys (prefix `clawrl:gw` by default):
 - `{p}:s:{session_id}` hash, TTL refreshed on each request: `next` (index of the session's next
@@ -7,15 +7,20 @@ Keys (prefix `clawrl:gw` by default):
   ends, assistant reply included).
 - `{p}:active` sorted set: session id -> time of last request; every replica sweeps it for
   sessions idle past the timeout.
-- `{p}:c:{history_hash}` -> session id: the conversation that ended with that assistant reply,
-  so a client that sends no session id is recognised on its next request.
+- `{p}:c:{scope}:{history_hash}` -> session id: the conversation of one caller (`scope`, a hash
+  of its API key and `user`) that ended with that assistant reply, so a client that sends no
+  session id is recognised on its next request; `*` when two live sessions of the caller ended
+  the same history (identical openings under greedy decoding): then nobody is guessed.
+- `{p}:r:{request_id}:{step}` -> a script's result, kept a few minutes: a retried script is a
+  no-op that returns it.
 
 Exactly once: a pending turn only leaves Redis inside a Lua script that reads it, deletes it and
 XADDs the finished record in one atomic step (Redis runs one script at a time), so of two
 replicas racing for the same turn (next request vs idle sweep vs session done) exactly one sees
-it and publishes it; the others find nothing. Finalisation fields are appended to the stored
-protobuf bytes: protobuf parsing merges concatenated messages (last value wins for singular
-fields), so the script needs no protobuf library.
+it and publishes it; the others find nothing; and a script the client retries after a timeout
+replays its first result instead of running twice. Finalisation fields are appended to the
+stored protobuf bytes: protobuf parsing merges concatenated messages (last value wins for
+singular fields, repeated ones concatenate), so the scripts need no protobuf library.
 
 Redis Cluster is not supported (the scripts touch keys in different hash slots).
 """
@@ -26,6 +31,7 @@ import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import orjson
@@ -34,105 +40,15 @@ from redis.asyncio import Redis
 from clawrl.common.records import Turn
 
 TURN_TYPE = Turn.DESCRIPTOR.full_name
+SCRIPTS = ("advance", "store", "finalize")
 
-# Encode turn_id (field 1, string) and turn_index (field 3, varint) in Lua: the index is only
-# known inside the script, which keeps indices dense even when a generation fails.
-_LUA_HEAD = (
-    """
-local function varint(n)
-  local s = ''
-  while n >= 128 do
-    s = s .. string.char(n % 128 + 128)
-    n = math.floor(n / 128)
-  end
-  return s .. string.char(n)
-end
-local function publish(stream, maxlen, tid, data)
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*',
-             'id', tid, 'type', '"""
-    + TURN_TYPE
-    + """', 'data', data)
-end
-"""
-)
 
-# KEYS: session, active, stream. ARGV: session_id, now, ttl, maxlen, extends (space-separated
-# history hashes of the request that end at an assistant message), next-state extra,
-# mismatch extra. Finalises the pending turn with the request's last message as next state.
-ADVANCE = (
-    _LUA_HEAD
-    + """
-local result = {'', 0}
-local turn = redis.call('HGET', KEYS[1], 'turn')
-if turn then
-  local hist = redis.call('HGET', KEYS[1], 'hist')
-  local extra = ARGV[6] .. ARGV[7]
-  result[2] = 1
-  for h in string.gmatch(ARGV[5], '%S+') do
-    if h == hist then extra = ARGV[6]; result[2] = 0; break end
-  end
-  local tid = redis.call('HGET', KEYS[1], 'tid')
-  publish(KEYS[3], ARGV[4], tid, turn .. extra)
-  redis.call('HDEL', KEYS[1], 'turn', 'tid', 'hist')
-  result[1] = tid
-end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-return result
-"""
-)
-
-# KEYS: session, active, stream, conversation. ARGV: session_id, now, ttl, maxlen, turn bytes,
-# history hash (with the reply), superseded extra, done extra ('' = keep pending).
-# Stores the new pending turn; a turn still pending (concurrent requests in one session) is
-# finalised as superseded first, never overwritten.
-STORE = (
-    _LUA_HEAD
-    + """
-local result = {'', ''}
-local old = redis.call('HGET', KEYS[1], 'turn')
-if old then
-  local oldtid = redis.call('HGET', KEYS[1], 'tid')
-  publish(KEYS[3], ARGV[4], oldtid, old .. ARGV[7])
-  result[2] = oldtid
-end
-local index = redis.call('HINCRBY', KEYS[1], 'next', 1) - 1
-local tid = ARGV[1] .. ':' .. index
-local turn = '\\10' .. varint(#tid) .. tid .. '\\24' .. varint(index) .. ARGV[5]
-result[1] = tid
-if ARGV[8] ~= '' then
-  publish(KEYS[3], ARGV[4], tid, turn .. ARGV[8])
-  redis.call('HDEL', KEYS[1], 'turn', 'tid', 'hist')
-  redis.call('ZREM', KEYS[2], ARGV[1])
-else
-  redis.call('HSET', KEYS[1], 'turn', turn, 'tid', tid, 'hist', ARGV[6])
-  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
-return result
-"""
-)
-
-# KEYS: session, active, stream. ARGV: session_id, maxlen, extra, cutoff ('' = none).
-# Finalises the pending turn with no next state (session done, or idle when the session's last
-# activity is still at or before the cutoff: a request that touched it since wins).
-FINALIZE = (
-    _LUA_HEAD
-    + """
-if ARGV[4] ~= '' then
-  local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-  if not score or tonumber(score) > tonumber(ARGV[4]) then return false end
-end
-redis.call('ZREM', KEYS[2], ARGV[1])
-local turn = redis.call('HGET', KEYS[1], 'turn')
-if not turn then return '' end
-local tid = redis.call('HGET', KEYS[1], 'tid')
-publish(KEYS[3], ARGV[2], tid, turn .. ARGV[3])
-redis.call('HDEL', KEYS[1], 'turn', 'tid', 'hist')
-return tid
-"""
-)
+def load_script(name: str) -> str:
+    """A session script with the shared helpers in front; `.lua` files are package data, read
+    with importlib.resources so editable and wheel installs both find them."""
+    lua = resources.files("clawrl.gateway").joinpath("lua")
+    header = f"local TURN_TYPE = '{TURN_TYPE}'\n" + lua.joinpath("common.lua").read_text()
+    return header + "\n" + lua.joinpath(f"{name}.lua").read_text()
 
 
 # --- canonical history hashing (pure) -----------------------------------------------------
@@ -189,77 +105,113 @@ def assistant_prefixes(messages: Sequence[dict[str, Any]], hashes: Sequence[str]
 # --- the store (I/O) ----------------------------------------------------------------------
 
 
+def caller_scope(credential: str | None, user: str | None) -> str:
+    """The namespace of a caller's anonymous conversations: a hash of its API key (or, with keys
+    off, whatever bearer token it sends) and of the OpenAI `user` field. Never the key itself."""
+    if not credential and not user:
+        return "-"
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update((credential or "").encode())
+    digest.update(b"\0" + (user or "").encode())
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class Advanced:
+    session_id: str
     finalized_turn_id: str | None
     history_mismatch: bool
+    ambiguous: bool  # an anonymous history claimed by two live sessions: a new one was started
 
 
 @dataclass(frozen=True)
 class Stored:
     turn_id: str
     superseded_turn_id: str | None
+    ambiguous: bool  # another live session of the caller ends the same history
 
 
 class SessionStore:
-    """The scripts above over one Redis connection pool."""
+    """The session scripts over one Redis connection pool. Every call carries the id of the
+    request it serves; a script run again with the same id (a retry after a timeout whose
+    first run went through) returns the first result and writes nothing."""
 
-    def __init__(self, redis: Redis, *, prefix: str, stream: str, maxlen: int, ttl_s: int) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str,
+        stream: str,
+        maxlen: int,
+        ttl_s: int,
+        dedupe_ttl_s: int = 600,
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.stream = stream
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.dedupe_ttl_s = dedupe_ttl_s
         self.active_key = f"{prefix}:active"
-        self._advance = redis.register_script(ADVANCE)
-        self._store = redis.register_script(STORE)
-        self._finalize = redis.register_script(FINALIZE)
+        self._scripts = {name: redis.register_script(load_script(name)) for name in SCRIPTS}
 
     def session_key(self, session_id: str) -> str:
         return f"{self.prefix}:s:{session_id}"
 
-    def conversation_key(self, history_hash: str) -> str:
-        return f"{self.prefix}:c:{history_hash}"
+    def conversation_key(self, scope: str, history_hash: str) -> str:
+        return f"{self.prefix}:c:{scope}:{history_hash}"
 
-    async def find_session(self, prefixes: Sequence[str]) -> str | None:
-        """The session whose recorded reply ends the longest of these histories."""
-        if not prefixes:
-            return None
-        found = await self.redis.mget([self.conversation_key(h) for h in prefixes])
-        for session_id in found:
-            if session_id is not None:
-                return session_id.decode() if isinstance(session_id, bytes) else session_id
-        return None
+    def _keys(self, request_id: str, step: str) -> list[str]:
+        return [self.active_key, self.stream, f"{self.prefix}:r:{request_id}:{step}"]
 
     async def advance(
-        self, session_id: str, prefixes: Sequence[str], next_state: bytes, mismatch: bytes
+        self,
+        request_id: str,
+        session_id: str | None,
+        *,
+        scope: str,
+        prefixes: Sequence[str],
+        next_state: bytes,
+        mismatch: bytes,
+        new_session_id: str,
     ) -> Advanced:
-        tid, mismatched = await self._advance(
-            keys=[self.session_key(session_id), self.active_key, self.stream],
+        """Resolve the request's session (by `prefixes` when it sent none: `new_session_id` when
+        no live conversation of the caller matches) and finalise its pending turn."""
+        sid, tid, mismatched, ambiguous = await self._scripts["advance"](
+            keys=self._keys(request_id, "advance"),
             args=[
-                session_id,
+                self.prefix,
+                session_id or "",
+                scope,
                 time.time(),
                 self.ttl_s,
                 self.maxlen,
                 " ".join(prefixes),
                 next_state,
                 mismatch,
+                new_session_id,
+                self.dedupe_ttl_s,
             ],
         )
-        return Advanced(_text(tid) or None, bool(mismatched))
+        return Advanced(_text(sid), _text(tid) or None, bool(mismatched), bool(ambiguous))
 
     async def store(
-        self, session_id: str, turn: bytes, history_hash: str, superseded: bytes, done: bytes
+        self,
+        request_id: str,
+        session_id: str,
+        *,
+        scope: str,
+        turn: bytes,
+        history_hash: str,
+        superseded: bytes,
+        done: bytes,
     ) -> Stored:
-        tid, old = await self._store(
-            keys=[
-                self.session_key(session_id),
-                self.active_key,
-                self.stream,
-                self.conversation_key(history_hash),
-            ],
+        tid, old, ambiguous = await self._scripts["store"](
+            keys=self._keys(request_id, "store"),
             args=[
+                self.prefix,
                 session_id,
+                scope,
                 time.time(),
                 self.ttl_s,
                 self.maxlen,
@@ -267,18 +219,26 @@ class SessionStore:
                 history_hash,
                 superseded,
                 done,
+                self.dedupe_ttl_s,
             ],
         )
-        return Stored(_text(tid), _text(old) or None)
+        return Stored(_text(tid), _text(old) or None, bool(ambiguous))
 
     async def finalize(
-        self, session_id: str, extra: bytes, idle_cutoff: float | None = None
+        self, request_id: str, session_id: str, extra: bytes, idle_cutoff: float | None = None
     ) -> str | None:
         """Publish the session's pending turn with `extra` appended; its turn id, or None when
         there was none (or, with a cutoff, the session was touched after it)."""
-        tid = await self._finalize(
-            keys=[self.session_key(session_id), self.active_key, self.stream],
-            args=[session_id, self.maxlen, extra, "" if idle_cutoff is None else idle_cutoff],
+        tid = await self._scripts["finalize"](
+            keys=self._keys(request_id, "finalize"),
+            args=[
+                self.prefix,
+                session_id,
+                self.maxlen,
+                extra,
+                "" if idle_cutoff is None else idle_cutoff,
+                self.dedupe_ttl_s,
+            ],
         )
         return _text(tid) or None
 

@@ -92,7 +92,14 @@ class SessionSettings(Section):
     anonymous_matching: bool = Field(
         True,
         description="Recognise the sessions of clients that send no session id by matching "
-        "their history against recorded conversations.",
+        "their history against the conversations recorded for the same caller (API key, or "
+        "bearer token when keys are off, and the OpenAI `user` field).",
+    )
+    dedupe_ttl_s: int = Field(
+        600,
+        gt=0,
+        description="How long a session script's result is kept under its request id, so a "
+        "write the Redis client retries after a timeout is recognised and not applied twice.",
     )
 
 

@@ -1,0 +1,49 @@
+-- Shared by every session script (prepended to each). Keys other than KEYS[] are derived from
+-- ARGV[1], the key prefix: the scripts need a session and conversation keys that are only known
+-- inside them, so Redis Cluster is not supported.
+local prefix = ARGV[1]
+
+local function session_key(session_id)
+  return prefix .. ':s:' .. session_id
+end
+
+local function conversation_key(scope, history_hash)
+  return prefix .. ':c:' .. scope .. ':' .. history_hash
+end
+
+-- protobuf varint, to encode turn_index (only known in here) in the stored Turn bytes.
+local function varint(n)
+  local s = ''
+  while n >= 128 do
+    s = s .. string.char(n % 128 + 128)
+    n = math.floor(n / 128)
+  end
+  return s .. string.char(n)
+end
+
+local function publish(stream, maxlen, tid, data)
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'id', tid, 'type', TURN_TYPE, 'data', data)
+end
+
+-- Idempotency: KEYS[3] is `{prefix}:r:{request_id}:{step}`. A retried script (the client timed
+-- out, the first run went through) finds the first run's result there and changes nothing.
+local function replayed()
+  local done = redis.call('GET', KEYS[3])
+  if done then return cjson.decode(done) end
+  return nil
+end
+
+local function remember(result, ttl)
+  redis.call('SET', KEYS[3], cjson.encode(result), 'EX', ttl)
+  return result
+end
+
+-- Finalise the session's pending turn (if any) with `extra` appended; its turn id or ''.
+local function finalize_pending(skey, stream, maxlen, extra)
+  local turn = redis.call('HGET', skey, 'turn')
+  if not turn then return '' end
+  local tid = redis.call('HGET', skey, 'tid')
+  publish(stream, maxlen, tid, turn .. extra)
+  redis.call('HDEL', skey, 'turn', 'tid', 'hist')
+  return tid
+end

@@ -1,0 +1,15 @@
+-- Finalise a session's pending turn with no next state: session done, or idle when the
+-- session's last activity is still at or before the cutoff (a request that touched it since
+-- wins).
+-- KEYS: active, stream, request key.
+-- ARGV: prefix, session_id, maxlen, extra, cutoff ('' = none), dedupe ttl.
+-- Returns the finalised turn id, '' when there was none or the session was touched since.
+local earlier = replayed()
+if earlier then return earlier[1] end
+local sid = ARGV[2]
+if ARGV[5] ~= '' then
+  local score = redis.call('ZSCORE', KEYS[1], sid)
+  if not score or tonumber(score) > tonumber(ARGV[5]) then return '' end
+end
+redis.call('ZREM', KEYS[1], sid)
+return remember({finalize_pending(session_key(sid), KEYS[2], ARGV[3], ARGV[4])}, ARGV[6])[1]

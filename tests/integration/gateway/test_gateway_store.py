@@ -1,0 +1,183 @@
+"""The session scripts on a real Redis: a retried write (same request id) changes nothing, and
+anonymous histories are scoped to their caller and never guessed between when two live sessions
+share one."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from redis.asyncio import Redis
+
+from clawrl.common.proto.records_pb2 import FinalizeReason
+from clawrl.common.records import Turn, decode_entry
+from clawrl.gateway.recording import finalize_extra
+from clawrl.gateway.sessions import SessionStore, extend_hash, history_hashes
+
+pytestmark = pytest.mark.integration
+
+NEXT = finalize_extra("g", FinalizeReason.FINALIZE_REASON_NEXT_STATE, [{"role": "user"}])
+SUPERSEDED = finalize_extra("g", FinalizeReason.FINALIZE_REASON_SUPERSEDED)
+DONE = finalize_extra("g", FinalizeReason.FINALIZE_REASON_SESSION_DONE)
+MISMATCH = Turn(history_mismatch=True).SerializeToString()
+
+
+@pytest.fixture
+async def store(redis_url):
+    name = f"store-{uuid.uuid4().hex[:8]}"
+    redis = Redis.from_url(redis_url)
+    yield SessionStore(
+        redis, prefix=f"test:{name}", stream=f"test:{name}:turns", maxlen=1000, ttl_s=60
+    )
+    await redis.aclose()
+
+
+async def published(store: SessionStore) -> list[Turn]:
+    entries = await store.redis.xrange(store.stream, "-", "+")
+    return [decode_entry(fields, Turn) for _, fields in entries]
+
+
+def turn_bytes(text: str) -> bytes:
+    return Turn(response_text=text).SerializeToString()
+
+
+async def store_turn(store, request_id, session_id, text="r", history="h", done=b""):
+    return await store.store(
+        request_id,
+        session_id,
+        scope="-",
+        turn=turn_bytes(text),
+        history_hash=history,
+        superseded=SUPERSEDED,
+        done=done,
+    )
+
+
+async def advance(store, request_id, session_id=None, scope="-", prefixes=("h",)):
+    return await store.advance(
+        request_id,
+        session_id,
+        scope=scope,
+        prefixes=list(prefixes),
+        next_state=NEXT,
+        mismatch=MISMATCH,
+        new_session_id=f"anon-{uuid.uuid4().hex}",
+    )
+
+
+async def test_a_retried_store_records_one_turn(store):
+    first = await store_turn(store, "req-1", "s", done=DONE)
+    again = await store_turn(store, "req-1", "s", done=DONE)
+    assert first == again and first.turn_id == "s:0"
+    turns = await published(store)
+    assert [t.turn_id for t in turns] == ["s:0"]
+    # A new request id is a new turn.
+    assert (await store_turn(store, "req-2", "s")).turn_id == "s:1"
+
+
+async def test_a_retried_pending_store_does_not_supersede_itself(store):
+    first = await store_turn(store, "req-1", "s")
+    again = await store_turn(store, "req-1", "s")
+    assert again == first and first.superseded_turn_id is None
+    assert await published(store) == []
+    assert await store.redis.hget(store.session_key("s"), "next") == b"1"
+
+
+async def test_a_retried_advance_does_not_finalise_a_later_turn(store):
+    """A late retry of request 1's advance must not hand request 1's next state to the turn
+    request 2 stored in between."""
+    await store_turn(store, "req-0", "s")
+    first = await advance(store, "req-1", "s")
+    assert first.finalized_turn_id == "s:0"
+    await store_turn(store, "req-2", "s", history="h2")
+    again = await advance(store, "req-1", "s", prefixes=("h2",))
+    assert again == first
+    assert [t.turn_id for t in await published(store)] == ["s:0"]
+    assert await store.redis.hget(store.session_key("s"), "tid") == b"s:1"
+
+
+async def test_a_retried_finalize_publishes_once(store):
+    await store_turn(store, "req-0", "s")
+    assert await store.finalize("req-1", "s", DONE) == "s:0"
+    await store_turn(store, "req-2", "s")
+    assert await store.finalize("req-1", "s", DONE) == "s:0"
+    assert [t.turn_id for t in await published(store)] == ["s:0"]
+
+
+async def test_anonymous_histories_are_scoped_to_the_caller(store):
+    hashes = history_hashes([{"role": "user", "content": "hi"}])
+    reply = {"role": "assistant", "content": "hello"}
+    history = extend_hash(hashes[-1], reply)
+    for scope, request_id in (("alice", "a-0"), ("bob", "b-0")):
+        opened = await advance(store, request_id, scope=scope, prefixes=())
+        await store.store(
+            request_id + "s",
+            opened.session_id,
+            scope=scope,
+            turn=turn_bytes(scope),
+            history_hash=history,
+            superseded=SUPERSEDED,
+            done=b"",
+        )
+    alice = await advance(store, "a-1", scope="alice", prefixes=(history,))
+    bob = await advance(store, "b-1", scope="bob", prefixes=(history,))
+    stranger = await advance(store, "c-1", scope="carol", prefixes=(history,))
+    assert alice.finalized_turn_id and bob.finalized_turn_id
+    assert alice.session_id != bob.session_id
+    assert stranger.finalized_turn_id is None and not stranger.ambiguous
+    texts = {t.turn_id: t.response_text for t in await published(store)}
+    assert texts == {f"{alice.session_id}:0": "alice", f"{bob.session_id}:0": "bob"}
+
+
+async def test_two_live_sessions_of_one_caller_on_one_history_are_not_guessed(store):
+    for session_id in ("s1", "s2"):
+        stored = await store.store(
+            f"req-{session_id}",
+            session_id,
+            scope="me",
+            turn=turn_bytes(session_id),
+            history_hash="same",
+            superseded=SUPERSEDED,
+            done=b"",
+        )
+    assert stored.ambiguous  # the second claim
+    follow_up = await advance(store, "req-3", scope="me", prefixes=("same",))
+    assert follow_up.ambiguous and follow_up.session_id.startswith("anon-")
+    assert follow_up.finalized_turn_id is None
+    assert await published(store) == []
+    # Sequential sessions with one opening are not ambiguous: the first one moved on.
+    await store_turn(store, "req-6", "t1", history="opening")
+    await store.finalize("req-7", "t1", DONE)
+    second = await store.store(
+        "req-8",
+        "t2",
+        scope="-",
+        turn=turn_bytes("t2"),
+        history_hash="opening",
+        superseded=SUPERSEDED,
+        done=b"",
+    )
+    assert not second.ambiguous
+    assert (await advance(store, "req-9", prefixes=("opening",))).session_id == "t2"
+
+
+async def test_next_state_holds_every_message_after_the_reply(store):
+    await store_turn(store, "req-0", "s")
+    messages = [
+        {"role": "tool", "tool_call_id": "a", "content": "1"},
+        {"role": "tool", "tool_call_id": "b", "content": "2"},
+        {"role": "user", "content": "thanks"},
+    ]
+    await store.advance(
+        "req-1",
+        "s",
+        scope="-",
+        prefixes=["h"],
+        next_state=finalize_extra("g", FinalizeReason.FINALIZE_REASON_NEXT_STATE, messages),
+        mismatch=MISMATCH,
+        new_session_id="unused",
+    )
+    [turn] = await published(store)
+    assert [json.loads(m) for m in turn.next_state_messages_json] == messages
+    assert json.loads(turn.next_state_json) == messages[-1]
