@@ -99,6 +99,7 @@ def test_scheduler_flags_reach_sglang_under_backend_sglang(monkeypatch):
         "--max-total-tokens", "100000", "--chunked-prefill-size", "4096",
         "--max-prefill-tokens", "16384", "--context-length", "32768",
         "--incremental-streaming-output", "--random-seed", "5", "--tp-size", "2",
+        "--disable-radix-cache",
     ]  # fmt: skip
     settings = load_settings(parse_args(args))
     argv = build_argv(settings, model="/m")
@@ -111,6 +112,7 @@ def test_scheduler_flags_reach_sglang_under_backend_sglang(monkeypatch):
     assert flag(argv, "--random-seed") == "5"
     assert flag(argv, "--tp-size") == "2"
     assert "--incremental-streaming-output" in argv
+    assert "--disable-radix-cache" in argv
     # The CPU scheduler's section is left as it was.
     assert settings.engine.max_running_requests == EngineServerSettings().max_running_requests
 

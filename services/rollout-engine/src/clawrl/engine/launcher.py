@@ -60,6 +60,8 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
             argv += ["--" + name.replace("_", "-"), str(value)]
     if sg.incremental_streaming_output:
         argv.append("--incremental-streaming-output")
+    if sg.disable_radix_cache:
+        argv.append("--disable-radix-cache")
     if settings.model.chat_template is not None:
         argv += ["--chat-template", str(Path(settings.model.chat_template))]
     if sg.tool_call_parser:

@@ -123,6 +123,7 @@ class SGLangSettings(Section):
     incremental_streaming_output: bool = Field(
         False, description="SGLang's --incremental-streaming-output (events carry only news)."
     )
+    disable_radix_cache: bool = Field(False, description="SGLang's --disable-radix-cache.")
     dtype: str = Field("auto", description="Weights dtype (`auto`, `bfloat16`, `float16`, ...).")
     enable_metrics: bool = Field(True, description="Expose Prometheus metrics at /metrics.")
     tool_call_parser: str | None = Field(
