@@ -437,3 +437,18 @@ def test_every_helper_has_a_comment() -> None:
     defines = [i for i, line in enumerate(lines) if line.startswith("{{- define ")]
     assert len(defines) >= 10
     assert [lines[i] for i in defines if not lines[i - 1].startswith("{{/*")] == []
+
+
+def test_notes_tell_how_to_reach_the_gateway(default_objects: list[dict]) -> None:
+    result = helm("install", "clawrl", str(CHART), "--dry-run=client", "--namespace", "ml")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    service = next(
+        o
+        for o in default_objects
+        if o["kind"] == "Service" and o["metadata"]["name"] == "clawrl-gateway"
+    )
+    port = service["spec"]["ports"][0]["port"]
+    assert f"kubectl -n ml port-forward svc/clawrl-gateway 30000:{port}" in notes
+    assert 'base_url="http://localhost:30000/v1"' in notes and "OpenClaw" in notes
+    assert "create job --from=cronjob/clawrl-weight-sync" in notes
