@@ -21,6 +21,7 @@ from yamllint.config import YamlLintConfig
 from clawrl.engine.settings import EngineSettings
 from clawrl.gateway.settings import GatewaySettings
 from clawrl.judge.settings import JudgeSettings
+from clawrl.trainer.megatron.placement import plan_node
 from clawrl.trainer.settings import TrainerSettings
 from tests.helm.conftest import CHART, EXAMPLE_VALUES, helm, pod_specs, render
 
@@ -452,3 +453,25 @@ def test_notes_tell_how_to_reach_the_gateway(default_objects: list[dict]) -> Non
     assert f"kubectl -n ml port-forward svc/clawrl-gateway 30000:{port}" in notes
     assert 'base_url="http://localhost:30000/v1"' in notes and "OpenClaw" in notes
     assert "create job --from=cronjob/clawrl-weight-sync" in notes
+
+
+def test_the_default_layout_is_the_trainers_placement_plan(default_objects: list[dict]) -> None:
+    """The chart's 4/2/2 defaults are the Megatron backend's plan for one 8-GPU node."""
+    plan = plan_node()
+    head = container_env(default_objects, "RayJob", "clawrl-trainer/head", "ray-head")
+    assert head["CLAWRL_TRAIN__BACKEND"] == "megatron"
+    assert int(head["CLAWRL_MEGATRON__TENSOR_PARALLEL_SIZE"]) == plan.trainer_tp
+    assert head["CLAWRL_MEGATRON__PLACEMENT_STRATEGY"] == plan.trainer_strategy
+    assert float(head["CLAWRL_RAY__ACTOR_NUM_GPUS"]) == plan.trainer_bundles[0]["GPU"]
+    pods = gpu_pods(default_objects)
+    assert pods["RayJob/clawrl-trainer/gpu"][0] == len(plan.trainer_bundles)
+    for component, engine in (("policy-engine", plan.policy), ("judge-engine", plan.judge)):
+        deployment = next(
+            o
+            for o in default_objects
+            if o["kind"] == "Deployment" and o["metadata"]["name"] == f"clawrl-{component}"
+        )
+        env = container_env(default_objects, "Deployment", f"clawrl-{component}", "engine")
+        assert deployment["spec"]["replicas"] == engine.replicas
+        assert int(env["CLAWRL_SGLANG__TP_SIZE"]) == engine.tp
+        assert pods[f"Deployment/clawrl-{component}"][0] == engine.gpus
