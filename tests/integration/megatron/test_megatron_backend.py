@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import torch
@@ -19,9 +20,12 @@ from clawrl.engine.cpu.runner import ModelRunner, read_checkpoint
 from clawrl.trainer.driver import ActorGroup
 from clawrl.trainer.losses import LossConfig
 from clawrl.trainer.megatron.actors import start_actors
+from clawrl.trainer.megatron.nccl_sync import Engine
 from clawrl.trainer.megatron.settings import MegatronSettings
 from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import PPOSettings, RaySettings, TrainerSettings, TrainSettings
+from tests.conftest import free_port
+from tests.integration.megatron.recording_engine import recording_engines
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -140,13 +144,17 @@ async def test_export_loads_in_transformers_and_the_cpu_engine(backends, model_d
     prompts = [[*s.prompt_ids, *s.response_ids] for s in samples()]
     with torch.no_grad():
         expected = torch.stack([exported(torch.tensor([p])).logits[0, -1] for p in prompts])
-    started = ModelRunner(export)
-    assert torch.allclose(started.prefill(prompts).last_logits, expected, atol=1e-4)
+
+    def engine_logits(runner: ModelRunner) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([runner.extend(None, 0, p).last_logits for p in prompts])
+
+    assert torch.allclose(engine_logits(ModelRunner(export)), expected, atol=1e-4)
     running = ModelRunner(model_dir)
     tensors = read_checkpoint(export)
     running.check_checkpoint(tensors)
     running.load_weights(tensors)
-    assert torch.allclose(running.prefill(prompts).last_logits, expected, atol=1e-4)
+    assert torch.allclose(engine_logits(running), expected, atol=1e-4)
 
 
 async def test_state_resumes_exactly_and_only_at_the_same_tp(backends, tmp_path):
@@ -168,3 +176,24 @@ async def test_state_resumes_exactly_and_only_at_the_same_tp(backends, tmp_path)
     assert torch.equal(first, again)
     with pytest.raises(ray.exceptions.RayTaskError, match="saved at TP=2"):
         await backends[1].call("load_state", state)
+
+
+async def test_weights_broadcast_from_the_tp_shards_reach_an_engine(backends, log_dir, tmp_path):
+    group = backends[2]
+    with recording_engines(1, log_dir) as (url,):
+        await group.call("connect_engines", [Engine(url)], "127.0.0.1", free_port(),
+                         "clawrl-weights", 4 << 20)  # fmt: skip
+        buckets = await group.call("broadcast_weights", 3)
+        async with httpx.AsyncClient() as client:
+            init, *updates = (await client.get(url + "/recorded")).json()
+    assert init["body"]["world_size"] == 2 and init["body"]["backend"] == "gloo"
+    assert buckets == len(updates) > 1
+    assert updates[-1]["body"]["weight_version"] == "3"
+    received = {n: s for c in updates for n, s in zip(c["body"]["names"], c["sums"], strict=True)}
+    export = tmp_path / "export"
+    export.mkdir()
+    await group.call("export_hf", export)
+    expected = {n: float(t.double().sum()) for n, t in read_checkpoint(export).items()}
+    assert sorted(received) == sorted(expected)
+    assert [received[n] for n in sorted(expected)] == pytest.approx(
+        [expected[n] for n in sorted(expected)], rel=1e-9)  # fmt: skip

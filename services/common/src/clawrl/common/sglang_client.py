@@ -195,23 +195,71 @@ class SGLangClient:
             log.exception("streaming /generate failed")
             raise EngineUnavailable(f"streaming /generate failed: {exc!r}") from exc
 
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
-    ) -> dict[str, Any]:
-        """POST /update_weights_from_disk -> `{success, message}`. A failed load is returned,
-        not raised: SGLang answers it with 400 and `success: false`, and the caller reads it."""
-        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        status, body = await self._call("POST", "/update_weights_from_disk", payload)
+    async def _success_reply(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST a weight call -> `{success, message}`. A failed load is returned, not raised:
+        SGLang answers it with 400 and `success: false`, and the caller reads it."""
+        status, body = await self._call("POST", path, payload)
         try:
             reply = orjson.loads(body)
         except orjson.JSONDecodeError:
             reply = None
         if isinstance(reply, dict) and "success" in reply:
             return reply
-        raise_for_status(status, body, "/update_weights_from_disk")
-        raise EngineUnavailable(f"unexpected reply to /update_weights_from_disk: {body[:200]!r}")
+        raise_for_status(status, body, path)
+        raise EngineUnavailable(f"unexpected reply to {path}: {body[:200]!r}")
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_disk -> `{success, message}` (see `_success_reply`)."""
+        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._success_reply("/update_weights_from_disk", payload)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """POST /init_weights_update_group: the engine's ranks join the trainer's broadcast
+        group as rank_offset.. (GPU engines only) -> `{success, message}`."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._success_reply("/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_distributed: the engine receives these tensors, in this
+        order, from the group's rank 0 broadcast (which must run meanwhile) -> `{success,
+        message}`."""
+        payload: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._success_reply("/update_weights_from_distributed", payload)
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._json("GET", "/get_model_info")

@@ -338,6 +338,43 @@ class MegatronRank:
 
         write_hf_dir(hf, self.model_dir, Path(path), self.dtype)
 
+    # --- weight sync by broadcast (GPU engines; see nccl_sync) --------------------------------
+
+    def connect_engines(
+        self, engines: list, master_address: str, master_port: int, group_name: str,
+        bucket_bytes: int,
+    ) -> None:  # fmt: skip
+        """Rank 0 forms the broadcast group with the engines (once; other ranks do nothing)."""
+        if self.rank != 0:
+            return
+        import asyncio
+
+        from clawrl.trainer.megatron.nccl_sync import BroadcastSender
+
+        # The sender's HTTP clients live on one event loop, kept for every later sync.
+        self._sync_loop = asyncio.new_event_loop()
+
+        async def connect() -> BroadcastSender:
+            sender = BroadcastSender(
+                engines, master_address, master_port, group_name=group_name,
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                bucket_bytes=bucket_bytes, device=str(self.device),
+            )  # fmt: skip
+            await sender.connect()
+            return sender
+
+        self._sender = self._sync_loop.run_until_complete(connect())
+
+    def broadcast_weights(self, version: int) -> int:
+        """Gather the HF tensors from the TP shards (all ranks) and broadcast them from rank 0
+        to the connected engines; -> buckets sent (0 on other ranks)."""
+        hf = self.gather_hf()
+        if self.rank != 0:
+            return 0
+        if getattr(self, "_sender", None) is None:
+            raise RuntimeError("connect_engines() first")
+        return self._sync_loop.run_until_complete(self._sender.send(sorted(hf.items()), version))
+
     # --- resumable state: one torch file per rank ------------------------------------------------
 
     def save_state(self, path: Path) -> None:

@@ -1,0 +1,84 @@
+"""A recording stand-in for a GPU policy engine's NCCL weight path, on gloo:
+`python -m tests.integration.megatron.recording_engine PORT`. It records every
+/init_weights_update_group and /update_weights_from_distributed call, really joins the group
+and really receives each announced tensor from rank 0's broadcast, and serves what it recorded
+(with a checksum of every received tensor) at GET /recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+from aiohttp import web
+
+from clawrl.trainer.megatron.nccl_sync import join_group
+from tests.conftest import ChildProcess, free_port, wait_until
+
+
+@contextmanager
+def recording_engines(count: int, log_dir: Path) -> Iterator[list[str]]:
+    """`count` recording engines in child processes; yields their URLs."""
+    children = []
+    try:
+        for i in range(count):
+            port = free_port()
+            argv = [sys.executable, "-m", "tests.integration.megatron.recording_engine", str(port)]
+            children.append((ChildProcess(f"recording-engine-{i}", argv, log_dir),
+                             f"http://127.0.0.1:{port}"))  # fmt: skip
+        for child, url in children:
+            wait_until(lambda url=url: httpx.get(url + "/health").status_code == 200, 60,
+                       child.name, child.proc)  # fmt: skip
+        yield [url for _, url in children]
+    finally:
+        for child, _ in children:
+            child.stop()
+
+
+def make_app() -> web.Application:
+    calls: list[dict] = []
+    state: dict = {}
+
+    async def init_group(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append({"path": "/init_weights_update_group", "body": body})
+        state["group"] = await asyncio.to_thread(
+            join_group, body["backend"], body["master_address"], body["master_port"],
+            body["rank_offset"], body["world_size"], body["group_name"],
+        )  # fmt: skip
+        return web.json_response({"success": True, "message": "joined"})
+
+    def receive(body: dict) -> list[float]:
+        sums = []
+        for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            torch.distributed.broadcast(tensor, src=0, group=state["group"])
+            sums.append(float(tensor.double().sum()))
+        return sums
+
+    async def update(request: web.Request) -> web.Response:
+        body = await request.json()
+        sums = await asyncio.to_thread(receive, body)
+        calls.append({"path": "/update_weights_from_distributed", "body": body, "sums": sums})
+        return web.json_response({"success": True, "message": "loaded"})
+
+    async def recorded(request: web.Request) -> web.Response:
+        return web.json_response(calls)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/init_weights_update_group", init_group)
+    app.router.add_post("/update_weights_from_distributed", update)
+    app.router.add_get("/recorded", recorded)
+    app.router.add_get("/health", health)
+    return app
+
+
+if __name__ == "__main__":
+    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]), print=None)

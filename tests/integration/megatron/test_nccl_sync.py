@@ -1,0 +1,76 @@
+"""The broadcast weight sync (trainer side) against two recording engines in their own
+processes: the HTTP calls SGLang expects, rank offsets, bucketing, the version only on the
+last bucket, and every tensor really received (checked by checksum)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from clawrl.trainer.megatron.nccl_sync import BroadcastSender, Engine, make_buckets, rank_offsets
+from tests.conftest import free_port
+from tests.integration.megatron.recording_engine import recording_engines
+
+pytestmark = pytest.mark.integration
+
+
+def test_buckets_keep_order_and_size():
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1, 100])]
+    buckets = make_buckets(named, max_bytes=80)  # float32: 40, 40, 120, 20, 4, 400 bytes
+    assert [b.names for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
+    assert [b.nbytes for b in buckets] == [80, 120, 24, 400]
+    assert buckets[0].announcement() == {
+        "names": ["t0", "t1"], "dtypes": ["float32", "float32"], "shapes": [[10], [10]],
+    }  # fmt: skip
+    assert make_buckets([], 10) == []
+
+
+def test_rank_offsets_follow_engine_tp():
+    assert rank_offsets([2, 2]) == ([1, 3], 5)
+    assert rank_offsets([1]) == ([1], 2)
+
+
+@pytest.fixture
+def engines(log_dir):
+    with recording_engines(2, log_dir) as urls:
+        yield urls
+
+
+async def test_broadcast_reaches_every_engine_bucket_by_bucket(engines):
+    gen = torch.Generator().manual_seed(0)
+    layer = "model.layers.0.mlp."
+    named = [("model.embed_tokens.weight", torch.randn(300, 64, generator=gen)),
+             ("model.norm.weight", torch.randn(64, generator=gen)),
+             (layer + "up_proj.weight", torch.randn(128, 64, generator=gen).bfloat16()),
+             (layer + "down_proj.weight", torch.randn(64, 128, generator=gen))]  # fmt: skip
+    port = free_port()
+    sender = BroadcastSender([Engine(url) for url in engines], "127.0.0.1", port,
+                             group_name="test-weights", backend="gloo",
+                             bucket_bytes=40_000)  # fmt: skip
+    try:
+        await sender.connect()
+        sent = await sender.send(named, version=7)
+    finally:
+        await sender.aclose()
+    assert sent == 3  # embed (76.8 kB) alone; norm + up_proj (16.6 kB); down_proj (32.8 kB)
+
+    for rank_offset, url in zip([1, 2], engines, strict=True):
+        async with httpx.AsyncClient() as client:
+            calls = (await client.get(url + "/recorded")).json()
+        init, *updates = calls
+        assert init == {"path": "/init_weights_update_group", "body": {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": rank_offset,
+            "world_size": 3, "group_name": "test-weights", "backend": "gloo"}}  # fmt: skip
+        assert [c["path"] for c in updates] == ["/update_weights_from_distributed"] * 3
+        bodies = [c["body"] for c in updates]
+        assert [n for b in bodies for n in b["names"]] == [n for n, _ in named]
+        assert [d for b in bodies for d in b["dtypes"]] == [
+            "float32", "float32", "bfloat16", "float32"]  # fmt: skip
+        assert [s for b in bodies for s in b["shapes"]] == [list(t.shape) for _, t in named]
+        assert [b.get("weight_version") for b in bodies] == [None, None, "7"]
+        assert [b["flush_cache"] for b in bodies] == [False, False, True]
+        assert all(b["group_name"] == "test-weights" for b in bodies)
+        received = [s for c in updates for s in c["sums"]]
+        expected = [float(t.double().sum()) for _, t in named]
+        assert received == pytest.approx(expected, rel=1e-12, abs=1e-9)
