@@ -475,3 +475,25 @@ def test_the_default_layout_is_the_trainers_placement_plan(default_objects: list
         assert deployment["spec"]["replicas"] == engine.replicas
         assert int(env["CLAWRL_SGLANG__TP_SIZE"]) == engine.tp
         assert pods[f"Deployment/clawrl-{component}"][0] == engine.gpus
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)
+def test_rendered_manifests_have_no_whitespace_only_lines(values: Path | None) -> None:
+    args = ["template", "clawrl", str(CHART)] + ([] if values is None else ["-f", str(values)])
+    result = helm(*args, "--set", "serviceMonitor.enabled=true")
+    assert result.returncode == 0, result.stderr
+    blank = [n for n, line in enumerate(result.stdout.splitlines(), 1) if line and not line.strip()]
+    assert not blank
+
+
+def test_a_model_on_the_volume_is_not_downloaded() -> None:
+    objects = render(sets=("models.policy.hubId=", "models.judge.hubId="))
+    specs = [spec for obj in objects for _, spec in pod_specs(obj)]
+    assert not [spec for spec in specs if spec.get("initContainers")]
+    env = container_env(objects, "Deployment", "clawrl-policy-engine", "engine")
+    assert env["CLAWRL_MODEL__PATH"] == "/models/Qwen3-4B-Instruct-2507"
+    downloading = objects_for(None)
+    fetches = [
+        c["name"] for o in downloading for _, s in pod_specs(o) for c in s.get("initContainers", [])
+    ]
+    assert "fetch-model" in fetches and "fetch-judge-tokenizer" in fetches

@@ -100,12 +100,12 @@ tolerations:
 
 {{/* Pod-level settings every pod shares: pull secrets and the non-root security context. */}}
 {{- define "clawrl.podDefaults" -}}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-securityContext:
-  {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
 {{/* Container resources; with gpus > 0, nvidia.com/gpu is added to requests and limits. Call with (dict "resources" .resources "gpus" 2). */}}
@@ -198,9 +198,13 @@ spec:
         {{- include "clawrl.labels" . | nindent 8 }}
     spec:
       {{- include "clawrl.podDefaults" $root | nindent 6 }}
-      {{- include "clawrl.gpuPlacement" (dict "root" $root "values" $v) | nindent 6 }}
+      {{- with include "clawrl.gpuPlacement" (dict "root" $root "values" $v) | trim }}
+      {{- . | nindent 6 }}
+      {{- end }}
+      {{- with (include "clawrl.modelFetch" (dict "root" $root "model" .model "image" $image "tokenizerOnly" false) | trim) }}
       initContainers:
-        {{- include "clawrl.modelFetch" (dict "root" $root "model" .model "image" $image "tokenizerOnly" false) | nindent 8 }}
+        {{- . | nindent 8 }}
+      {{- end }}
       containers:
         - name: engine
           image: {{ $image }}
@@ -213,7 +217,7 @@ spec:
           env:
             - name: HF_HOME
               value: /models/.hf-home
-            {{- include "clawrl.env" (dict "root" $root "settings" $settings "values" $v) | nindent 12 }}
+            {{- include "clawrl.env" (dict "root" $root "settings" $settings "values" $v) | trim | nindent 12 }}
           # Loading (and compiling) a large model takes minutes: the startup probe allows it,
           # and only after it passes do the other probes start.
           startupProbe:
@@ -388,7 +392,9 @@ template:
     # It talks to the gateway and the engine only; no Kubernetes API access.
     automountServiceAccountToken: false
     {{- include "clawrl.podDefaults" . | nindent 4 }}
-    {{- include "clawrl.cpuPlacement" (dict "root" . "values" $v) | nindent 4 }}
+    {{- with include "clawrl.cpuPlacement" (dict "root" . "values" $v) | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     containers:
       - name: weight-sync
         image: {{ include "clawrl.image" (dict "root" . "image" $v.image) }}
@@ -398,7 +404,7 @@ template:
         args: {{ toJson . }}
         {{- end }}
         env:
-          {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | nindent 10 }}
+          {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | trim | nindent 10 }}
           {{- with .Values.gateway.controlTokenSecret }}
           - name: CLAWRL_GATEWAYS__TOKEN
             valueFrom:
