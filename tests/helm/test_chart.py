@@ -279,6 +279,8 @@ def test_the_weight_sync_template_and_cronjob_share_one_job_spec(
     role = by_kind[("Role", "clawrl-trainer")]
     jobs = next(rule for rule in role["rules"] if rule["resources"] == ["jobs"])
     assert {"create", "get", "delete", "watch"} <= set(jobs["verbs"])
+    status = next(rule for rule in role["rules"] if rule["resources"] == ["jobs/status"])
+    assert "get" in status["verbs"]
     # The launcher runs next to the driver, under the trainer's account, with the template.
     containers = {c["name"]: c for c in head["template"]["spec"]["containers"]}
     launcher = containers["weight-sync-launcher"]
