@@ -79,7 +79,7 @@ async def rollouts(url: str, tokenizer, count: int, new_tokens: int) -> list[Sam
                       loss_mask=[1.0] * len(logprobs), reward=1.0 if i % 2 else -1.0,
                       temperature=0.7, top_p=0.9)  # fmt: skip
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=3600) as client:
         return await asyncio.gather(*(one(client, i) for i in range(count)))
 
 
@@ -96,6 +96,9 @@ async def run(args: argparse.Namespace, work: Path) -> None:
         samples = await rollouts(url, AutoTokenizer.from_pretrained(model_dir), args.batch,
                                  args.new_tokens)  # fmt: skip
         rollout_s = time.perf_counter() - started
+    except Exception:
+        print((work / "engine.log").read_text(errors="replace")[-3000:])
+        raise
     finally:
         engine.terminate()
         engine.wait()
