@@ -5,10 +5,9 @@ the checkpoints' bookkeeping and the step order; the model lives in Ray actors, 
 Every backend method is called on all ranks at once (model-parallel ranks must take part in
 every collective) and rank 0's result is returned.
 
-Backends: `torch` is one actor holding a `TorchBackend`. `megatron` is a driver-side
-`MegatronBackend` that places its rank actors itself (a placement group, one actor per rank) and
-blocks on them; it is called from a worker thread (`InProcess`) so the event loop keeps serving.
-It provides `MegatronBackend.from_settings(settings)`.
+Backends: `torch` is one actor holding a `TorchBackend`. `megatron` provides
+`clawrl.trainer.megatron.actors.start_actors(settings) -> list[ActorHandle]` (its placement
+group, one actor per rank), each actor exposing the `backend.TrainerBackend` methods.
 """
 
 from __future__ import annotations
@@ -80,8 +79,8 @@ def connect(settings: RaySettings) -> None:
 def start_backend(settings: TrainerSettings) -> BackendHandle:
     """The configured backend on its Ray actors (not loaded yet)."""
     if settings.train.backend == "megatron":
-        megatron = importlib.import_module("clawrl.trainer.megatron.backend")
-        return InProcess(megatron.MegatronBackend.from_settings(settings))
+        actors = importlib.import_module("clawrl.trainer.megatron.actors")
+        return ActorGroup(actors.start_actors(settings))
     # Ray sets OMP_NUM_THREADS to the actor's CPU count (1 by default): say it explicitly.
     threads = settings.train.num_threads or max(1, int(settings.ray.actor_num_cpus))
     remote = ray.remote(TorchBackend).options(
