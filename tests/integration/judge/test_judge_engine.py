@@ -176,14 +176,15 @@ async def test_rl_scores_a_turn_from_real_votes_of_the_135m_model(
     settings = judge_settings(
         redis_url,
         model={"path": "SmolLM2-135M-Instruct"},
-        backend={"kind": "sglang", "engine_url": engine, "max_new_tokens": 32},
+        # Short votes: on a loaded 2-core host three 135M votes can take minutes.
+        backend={"kind": "sglang", "engine_url": engine, "max_new_tokens": 16, "timeout_s": 900},
         judging={"promote_first_in_session": False},
     )
     turn = make_turn("real", 0, user="What is 2+3?", response="2+3 = 5.",
                      next_state=said("Thanks, that's right!"))  # fmt: skip
     await put_turns(redis, settings, [turn])
     async with running(settings, serve=False):
-        (sample,) = await wait_samples(redis, settings, 1, timeout_s=300)
+        (sample,) = await wait_samples(redis, settings, 1, timeout_s=540)
     out = io.BytesIO()
     await export(redis, settings.audit.stream, out)
     (record,) = map(orjson.loads, out.getvalue().splitlines())
