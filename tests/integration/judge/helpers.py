@@ -101,11 +101,11 @@ async def wait_samples(
     redis: Redis, settings: JudgeSettings, count: int, timeout_s: float = 20
 ) -> list[Sample]:
     deadline = time.monotonic() + timeout_s
-    while True:
-        found = await samples(redis, settings)
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
+    while await redis.xlen(settings.redis.samples_stream) < count:
+        if time.monotonic() > deadline:
+            break
         await asyncio.sleep(0.05)
+    return await samples(redis, settings)
 
 
 async def pending(redis: Redis, settings: JudgeSettings) -> int:

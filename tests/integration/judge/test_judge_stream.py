@@ -205,3 +205,23 @@ async def test_export_holds_every_judgement(redis: Redis, url) -> None:
     assert records["f:0"]["outcome"] == "promoted" and records["f:0"]["promoted"] is True
     assert records["e:2"]["outcome"] == "dead_letter"
     assert "messages_json" in records["e:2"]["dead_letter"]
+
+
+async def test_retention_trims_only_what_every_group_acknowledged(redis: Redis, url) -> None:
+    settings = judge_settings(url, judging=BANANA, retention={"interval_s": 0.1, "keep_s": 0})
+    stream = settings.redis.turns_stream
+    await put_turns(redis, settings, [make_turn(f"r{i}", 0) for i in range(150)])
+    # Another consumer group that has read nothing: its entries must stay.
+    await redis.xgroup_create(stream, "auditors", id="0")
+    async with running(settings, serve=False):
+        await wait_samples(redis, settings, 150)
+        await asyncio.sleep(0.5)
+        assert await redis.xlen(stream) == 150
+        await redis.xgroup_destroy(stream, "auditors")
+        for _ in range(50):
+            if await redis.xlen(stream) < 150:
+                break
+            await asyncio.sleep(0.1)
+    # Approximate trimming drops whole stream nodes (100 entries by default).
+    assert await redis.xlen(stream) <= 50
+    assert len(await samples(redis, settings)) == 150
