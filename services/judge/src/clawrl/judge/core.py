@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from clawrl.common.proto.records_pb2 import MaskReason, SampleMode
+from clawrl.common.proto.records_pb2 import FinalizeReason, MaskReason, SampleMode
 from clawrl.common.records import Sample
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
 from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
@@ -169,7 +169,7 @@ class Judge:
             "policy_version": turn.policy_version,
             "weight_version": turn.weight_version,
             "mode": self.mode,
-            "finalize_reason": turn.finalize_reason,
+            "finalize_reason": FinalizeReason.Name(turn.finalize_reason),
             "response": turn.response_text[:AUDIT_TEXT_CHARS],
             "next_state": [m for m in view.next_state],
         }
@@ -192,9 +192,7 @@ class Judge:
             judged_at=time.time(),
             timings=judgement.timings,
         )
-        self.metrics.samples.labels(
-            KIND[self.mode], score_label(audit.get("score", sample.reward))
-        ).inc()
+        self.metrics.samples.labels(KIND[self.mode], score_label(audit.get("score"))).inc()
         if not judgement.effective:
             self.metrics.masked.labels(MaskReason.Name(sample.mask_reason)).inc()
         return judgement

@@ -156,6 +156,9 @@ class Worker:
             except asyncio.CancelledError:
                 self._forget(item)  # shutdown: stays pending, another worker takes it over
                 raise
+            except EngineUnavailable:
+                self._forget(item)  # shutdown while waiting for the engine: stays pending
+                return
             except Exception as exc:
                 self._forget(item)
                 self.metrics.errors.labels("judge").inc()
