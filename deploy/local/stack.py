@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--judge-port", type=int, default=30011)
     parser.add_argument("--redis-port", type=int, default=6390)
     parser.add_argument("--prometheus-port", type=int, default=30090)
+    parser.add_argument("--judge-grpc-port", type=int, default=30020, help="Judge gRPC (Score)")
+    parser.add_argument("--judge-metrics-port", type=int, default=30021, help="judge /metrics")
     parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, etc.")
     return parser.parse_args(argv)
 
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gateway_port,
         args.grpc_port,
         args.prometheus_port,
+        args.judge_grpc_port,
+        args.judge_metrics_port,
     )
     for port in ports:
         if port_open(port):
@@ -179,11 +183,21 @@ def main(argv: list[str] | None = None) -> int:
             ],
             lambda: http_ok(f"http://127.0.0.1:{args.gateway_port}/readyz"),
         )
+        # Mode and reward come from clawrl.toml ([judging]); see README "The judge".
+        stack.start(
+            "judge",
+            [str(BIN / "clawrl-judge"), "--redis-url", redis_url, "--model", args.policy_model,
+             "--judge-model", args.judge_model, "--engine-url",
+             f"http://127.0.0.1:{args.judge_port}", "--grpc-port", str(args.judge_grpc_port),
+             "--metrics-port", str(args.judge_metrics_port)],
+            lambda: http_ok(f"http://127.0.0.1:{args.judge_metrics_port}/healthz"),
+        )  # fmt: skip
         if shutil.which("prometheus"):
             scraped = {
                 "gateway": args.gateway_port,
                 "policy-engine": args.policy_port,
                 "judge-engine": args.judge_port,
+                "judge": args.judge_metrics_port,
             }
             stack.start(
                 "prometheus",
@@ -197,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
             f"Metrics: http://localhost:{args.prometheus_port} (Prometheus, when installed).\n"
-            f"Finished turns land on clawrl:turns "
-            f"(redis-cli -p {args.redis_port} XLEN clawrl:turns).\nCtrl-C stops everything.\n",
+            f"Finished turns land on clawrl:turns, judged samples on clawrl:samples "
+            f"(redis-cli -p {args.redis_port} XLEN clawrl:samples).\nCtrl-C stops everything.\n",
             flush=True,
         )
         return stack.wait()

@@ -6,6 +6,7 @@ busy (a panel that shows nothing for a busy service is a bug)."""
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ BUSY = ("serving", "engines")  # the services the local stack runs and this test
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> dict[str, int]:
-    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus")
+    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grpc",
+             "judge-metrics")  # fmt: skip
     ports = {name: free_port() for name in names}
     run_dir: Path = tmp_path_factory.mktemp("stack")
     log = (run_dir / "stack.log").open("wb")
@@ -37,6 +39,8 @@ def stack(tmp_path_factory) -> dict[str, int]:
          *[arg for name in names for arg in (f"--{name}-port", str(ports[name]))],
          "--run-dir", str(run_dir)],
         stdout=log, stderr=subprocess.STDOUT,
+        # The judge's votes on the tiny model are noise: keep them short.
+        env={**os.environ, "CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"},
     )  # fmt: skip
     try:
         wait_until(

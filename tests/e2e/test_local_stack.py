@@ -3,6 +3,7 @@ gateway, the finished turns land on the Redis stream, and Ctrl-C (SIGTERM) stops
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from clawrl.common.records import Turn, decode_entry
+from clawrl.common.proto.records_pb2 import MaskReason
+from clawrl.common.records import Sample, Turn, decode_entry
 from tests.conftest import REPO, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -21,7 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> dict[str, int]:
-    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus")
+    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge_grpc",
+             "judge_metrics")  # fmt: skip
     ports = {name: free_port() for name in names}
     run_dir: Path = tmp_path_factory.mktemp("stack")
     log = (run_dir / "stack.log").open("wb")
@@ -31,13 +34,17 @@ def stack(tmp_path_factory) -> dict[str, int]:
          "--gateway-port", str(ports["gateway"]), "--grpc-port", str(ports["grpc"]),
          "--policy-port", str(ports["policy"]), "--judge-port", str(ports["judge"]),
          "--redis-port", str(ports["redis"]), "--prometheus-port", str(ports["prometheus"]),
-         "--run-dir", str(run_dir)],
+         "--run-dir", str(run_dir), "--judge-grpc-port", str(ports["judge_grpc"]),
+         "--judge-metrics-port", str(ports["judge_metrics"])],
         stdout=log, stderr=subprocess.STDOUT,
+        # Short votes: the tiny judge model's text is noise, only the mechanics are tested.
+        env={**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
+             "CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"},
     )  # fmt: skip
     try:
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{ports['gateway']}/readyz").status_code == 200,
-            240, "local stack", proc,
+            480, "local stack", proc,
         )  # fmt: skip
     except Exception:
         proc.kill()
@@ -77,3 +84,39 @@ def test_a_session_through_the_stack_lands_on_the_turns_stream(stack: dict[str, 
     assert turns[0].next_state_json and "Thanks!" in turns[0].next_state_json
     assert turns[0].response_ids and len(turns[0].response_ids) == len(turns[0].response_logprobs)
     assert not turns[1].next_state_json  # closed by X-Session-Done
+
+
+def test_the_judge_turns_the_sessions_turns_into_samples(stack: dict[str, int]) -> None:
+    """Requests through the gateway end up as samples on clawrl:samples (the PRM votes of the
+    tiny judge model are noise: the turn with a next state is scored, the last one masked)."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{stack['gateway']}/v1", api_key="local")
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(
+        model="smollm2-tiny", messages=messages, max_tokens=6, extra_headers={"X-Session-Id": "j"}
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    client.chat.completions.create(
+        model="smollm2-tiny",
+        messages=messages,
+        max_tokens=6,
+        extra_headers={"X-Session-Id": "j", "X-Session-Done": "true"},
+    )
+    r = redis.Redis(port=stack["redis"])
+
+    def judged() -> list[Sample]:
+        found = [decode_entry(f, Sample) for _, f in r.xrange("clawrl:samples")]
+        return [s for s in found if s.session_id == "j"]
+
+    wait_until(lambda: len(judged()) == 2, 300, "samples of session j")
+    samples = {s.sample_id: s for s in judged()}
+    turns = {t.turn_id: t for t in (decode_entry(f, Turn) for _, f in r.xrange("clawrl:turns"))}
+    assert sorted(samples) == ["j:0", "j:1"]
+    for sample_id, sample in samples.items():
+        assert list(sample.response_ids) == list(turns[sample_id].response_ids)
+        assert list(sample.old_logprobs) == list(turns[sample_id].response_logprobs)
+    assert len(samples["j:0"].votes) == 3 and samples["j:0"].reward_source == "prm"
+    assert samples["j:1"].mask_reason == MaskReason.MASK_REASON_NO_NEXT_STATE
+    assert r.xpending("clawrl:turns", "judges")["pending"] == 0
