@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import subprocess
+import sys
 
 import orjson
 import pytest
@@ -182,7 +185,7 @@ async def test_promotion_can_be_switched_off(redis: Redis, url) -> None:
     assert not sample.promoted and sample.mask_reason == MaskReason.MASK_REASON_NEUTRAL_SCORE
 
 
-async def test_export_holds_every_judgement(redis: Redis, url) -> None:
+async def test_export_holds_every_judgement(redis: Redis, url, tmp_path) -> None:
     settings = judge_settings(url, judging={"reward_fn": ARITHMETIC})
     turns = [
         make_turn("e", 0, response="5", next_state=[{"role": "user", "content": "right, 5"}]),
@@ -205,6 +208,18 @@ async def test_export_holds_every_judgement(redis: Redis, url) -> None:
     assert records["f:0"]["outcome"] == "promoted" and records["f:0"]["promoted"] is True
     assert records["e:2"]["outcome"] == "dead_letter"
     assert "messages_json" in records["e:2"]["dead_letter"]
+    # The same through the command line.
+    target = tmp_path / "judgements.jsonl"
+    cli = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "clawrl.judge.main", "export", "-o", str(target),
+         "--redis-url", url],
+        env={**os.environ, "CLAWRL_AUDIT__STREAM": settings.audit.stream},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "exported 3 judgements" in cli.stderr
+    assert target.read_bytes() == out.getvalue()
 
 
 async def test_retention_trims_only_what_every_group_acknowledged(redis: Redis, url) -> None:
