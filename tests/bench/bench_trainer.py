@@ -34,18 +34,8 @@ from clawrl.trainer.metrics import TrainerMetrics  # noqa: E402
 from clawrl.trainer.service import build_trainer  # noqa: E402
 from clawrl.trainer.settings import TrainerSettings  # noqa: E402
 from clawrl.trainer.torch_backend import TorchBackend  # noqa: E402
+from tests.bench.bench_engine import PROMPTS as QUESTIONS  # noqa: E402
 from tests.conftest import VENV_BIN, free_port, start_redis, wait_until  # noqa: E402
-
-QUESTIONS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how photosynthesis works.",
-    "List some tips for learning a new language.",
-    "Describe the water cycle.",
-    "What makes a good cup of coffee?",
-    "Summarise the history of the printing press.",
-    "How do airplanes stay in the air?",
-    "Give advice to a new programmer.",
-]
 
 
 def start_engine(model: str, log_dir: Path) -> tuple[subprocess.Popen, str]:

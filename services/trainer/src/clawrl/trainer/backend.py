@@ -22,6 +22,7 @@ with 0 and masked by `loss_mask`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -29,7 +30,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from clawrl.trainer.losses import LossConfig
+from clawrl.trainer.losses import LossConfig, TokenTerms, micro_batch_weight, policy_objective
 
 Which = Literal["policy", "reference"]
 
@@ -117,6 +118,27 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def accumulate_gradients(
+    batch: TrainBatch,
+    loss_cfg: LossConfig,
+    max_tokens: int,
+    terms_of: Callable[[TrainBatch], TokenTerms],
+) -> dict[str, float]:
+    """Forward and backward over the micro-batches of `batch` (`terms_of` runs the model on one);
+    each micro-batch's loss is weighted so the accumulated gradients equal one pass over the
+    whole batch. -> the step's metrics, weighted the same way. The caller zeroes gradients
+    before and steps the optimizer after."""
+    totals: dict[str, float] = {}
+    for group in micro_batches(batch.lengths.tolist(), max_tokens):
+        micro = batch.select(group)
+        weight = micro_batch_weight(micro.loss_mask, batch.loss_mask, loss_cfg.aggregation)
+        loss, metrics = policy_objective(terms_of(micro), loss_cfg)
+        (loss * weight).backward()
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + weight * float(value)
+    return totals
 
 
 def response_rows(hidden: Tensor, prompt_lengths: Tensor, width: int) -> Tensor:

@@ -193,7 +193,7 @@ class RaySettings(Section):
 
 
 class ServerSettings(Section):
-    """The HTTP endpoint with /metrics and /healthz."""
+    """The HTTP endpoint Prometheus scrapes (/metrics)."""
 
     host: str = Field("127.0.0.1", description="Address the metrics endpoint listens on.")
     metrics_port: int = Field(30030, ge=0, lt=65536, description="/metrics port (0 = free).")

@@ -16,14 +16,18 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from clawrl.trainer.backend import TrainBatch, Which, micro_batches, response_rows
+from clawrl.trainer.backend import (
+    TrainBatch,
+    Which,
+    accumulate_gradients,
+    micro_batches,
+    response_rows,
+)
 from clawrl.trainer.backend import response_targets as targets_of
 from clawrl.trainer.losses import (
     LossConfig,
     TokenTerms,
     entropy_from_logits,
-    micro_batch_weight,
-    policy_objective,
     token_logprobs,
 )
 from clawrl.trainer.settings import PPOSettings, TrainSettings
@@ -134,14 +138,9 @@ class TorchBackend:
             raise ValueError("train_step needs old_logp and advantages (TrainBatch.with_targets)")
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        for group in micro_batches(batch.lengths.tolist(), self.train.micro_batch_tokens):
-            micro = batch.select(group)
-            weight = micro_batch_weight(micro.loss_mask, batch.loss_mask, loss_cfg.aggregation)
-            loss, metrics = policy_objective(self._terms(micro, loss_cfg), loss_cfg)
-            (loss * weight).backward()
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + weight * float(value)
+        totals = accumulate_gradients(
+            batch, loss_cfg, self.train.micro_batch_tokens, lambda m: self._terms(m, loss_cfg)
+        )
         forward_backward_s = time.perf_counter() - started
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip)
