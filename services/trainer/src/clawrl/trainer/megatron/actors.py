@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from clawrl.common.models import resolve_model_dir
@@ -93,3 +93,13 @@ def start_actors(settings: TrainerSettings) -> list:
     log.info("megatron backend: TP=%d on %s (%s), rendezvous %s:%d",
              cfg.tp, cfg.device, cfg.dtype, addr, port)  # fmt: skip
     return actors
+
+
+def stop_actors(actors: list) -> None:
+    """Stop the rank actors and free their placement group (for tools that start several
+    backends in one Ray runtime; the trainer's actors live as long as its process)."""
+    group = ray.get(actors[0].placement_group.remote()) if actors else None
+    for actor in actors:
+        ray.kill(actor)
+    if group is not None:
+        remove_placement_group(group)

@@ -408,6 +408,11 @@ class MegatronRank:
             self.optimizer.reload_model_params()  # fp32 master weights from the loaded ones
         torch.set_rng_state(state["rng"])
 
+    def placement_group(self):
+        import ray
+
+        return ray.util.get_current_placement_group()
+
     def close(self) -> None:
         from megatron.core import parallel_state
 
