@@ -42,6 +42,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_gateway.py
 	$(PY) tests/bench/bench_judge.py
 	$(PY) tests/bench/bench_trainer.py
+	$(PY) tests/bench/bench_megatron.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -113,6 +113,8 @@ class MegatronRank:
             from clawrl.trainer.megatron.cpu_compat import apply_cpu_workarounds
 
             apply_cpu_workarounds()
+        else:
+            torch.cuda.set_device(self.device)  # Ray shows each actor only its own GPU
         torch.distributed.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
