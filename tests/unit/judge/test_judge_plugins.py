@@ -73,13 +73,18 @@ def test_check_reward() -> None:
 
 def test_teacher_request_and_alignment() -> None:
     payload = teacher_request([1, 2, 3], [7, 8], top_k=2)
-    assert payload["input_ids"] == [1, 2, 3, 7, 8] and payload["logprob_start_len"] == 3
+    # One position before the response: SGLang pads the start position's entry with None.
+    assert payload["input_ids"] == [1, 2, 3, 7, 8] and payload["logprob_start_len"] == 2
     assert payload["sampling_params"]["max_new_tokens"] == 0 and payload["return_logprob"]
     assert payload["top_logprobs_num"] == 2
     assert "top_logprobs_num" not in teacher_request([1], [2], top_k=0)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        teacher_request([], [2], top_k=0)
+    # SGLang's reply shape: entry 0 (the last prompt token) is None, then one per response id.
     meta = {
-        "input_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]],
+        "input_token_logprobs": [[None, 3, None], [-0.5, 7, None], [-1.5, 8, None]],
         "input_top_logprobs": [
+            None,
             [[-0.1, 9, None], [-0.5, 7, None]],
             [[-1.5, 8, None], [-2, 3, None]],
         ],
@@ -90,8 +95,11 @@ def test_teacher_request_and_alignment() -> None:
     assert teacher_from_meta(meta, [7, 8], top_k=0).topk_ids == []
     with pytest.raises(TeacherMismatch, match="not the 3 response ids"):
         teacher_from_meta(meta, [6, 7, 8], top_k=0)
+    # The CPU engine puts a real value in entry 0: dropped just the same.
+    cpu = {"input_token_logprobs": [[-3.0, 3, None], [-0.5, 7, None], [-1.5, 8, None]]}
+    assert teacher_from_meta(cpu, [7, 8], top_k=0).logprobs == [-0.5, -1.5]
     with pytest.raises(TeacherMismatch, match="null"):
-        teacher_from_meta({"input_token_logprobs": [[None, 7, None]]}, [7], top_k=0)
+        teacher_from_meta({"input_token_logprobs": [[None, 3, None], [None, 7, None]]}, [7], 0)
     with pytest.raises(TeacherMismatch, match="top-3"):
         teacher_from_meta(meta, [7, 8], top_k=3)
 

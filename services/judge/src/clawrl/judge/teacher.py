@@ -1,7 +1,11 @@
 """Teacher log-probs for on-policy distillation: the judge engine scores the RECORDED response
-ids after the hinted prompt (`max_new_tokens: 0`, `return_logprob`, `logprob_start_len` at the
-response start), so there is exactly one teacher log-prob per response token and no text is
-ever re-tokenised."""
+ids after the hinted prompt (`max_new_tokens: 0`, `return_logprob`), so there is exactly one
+teacher log-prob per response token and no text is ever re-tokenised.
+
+`logprob_start_len` is one position BEFORE the response: SGLang aligns `input_token_logprobs`
+with `input_ids[logprob_start_len:]` but always pads entry 0 with None (it does not compute the
+log-prob of the token at the start position), so starting at the response would lose the first
+response token. The entry of the last prompt token is dropped, whatever an engine puts there."""
 
 from __future__ import annotations
 
@@ -31,12 +35,15 @@ class TeacherSignal:
 
 
 def teacher_request(prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int) -> dict:
-    """The /generate payload that scores `response_ids` after `prompt_ids` without generating."""
+    """The /generate payload that scores `response_ids` after `prompt_ids` without generating
+    (log-probs from the last prompt token on, see the module docstring)."""
+    if not prompt_ids:
+        raise ValueError("the teacher needs a non-empty prompt")
     payload: dict[str, Any] = {
         "input_ids": [*prompt_ids, *response_ids],
         "sampling_params": sampling_params(max_new_tokens=0, temperature=0.0),
         "return_logprob": True,
-        "logprob_start_len": len(prompt_ids),
+        "logprob_start_len": len(prompt_ids) - 1,
     }
     if top_k:
         payload["top_logprobs_num"] = top_k
@@ -46,11 +53,12 @@ def teacher_request(prompt_ids: Sequence[int], response_ids: Sequence[int], top_
 def teacher_from_meta(
     meta: dict[str, Any], response_ids: Sequence[int], top_k: int
 ) -> TeacherSignal:
-    """The teacher signal in /generate's `meta_info` (`input_token_logprobs` entries are
-    `[logprob, token_id, text]`); TeacherMismatch unless they cover exactly the response ids.
+    """The teacher signal in /generate's `meta_info` for a `teacher_request` (entries are
+    `[logprob, token_id, text]`, the first one for the last prompt token and dropped);
+    TeacherMismatch unless the rest cover exactly the response ids.
 
-    meta.input_token_logprobs: [T]; meta.input_top_logprobs: [T][>= top_k]"""
-    entries = meta.get("input_token_logprobs") or []
+    meta.input_token_logprobs: [1 + T]; meta.input_top_logprobs: [1 + T][>= top_k]"""
+    entries = (meta.get("input_token_logprobs") or [])[1:]
     ids = [int(e[1]) for e in entries]
     if ids != list(response_ids):
         raise TeacherMismatch(
@@ -62,7 +70,7 @@ def teacher_from_meta(
     signal = TeacherSignal(logprobs=[float(e[0]) for e in entries])
     if not top_k:
         return signal
-    rows = meta.get("input_top_logprobs") or []
+    rows = (meta.get("input_top_logprobs") or [])[1:]
     if len(rows) != len(entries) or any(row is None or len(row) < top_k for row in rows):
         raise TeacherMismatch(f"engine returned no top-{top_k} log-probs for every response token")
     topk_ids = [int(e[1]) for row in rows for e in row[:top_k]]
