@@ -43,7 +43,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
+def start_engine(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
     log = log_path.open("wb")
     argv = [
         str(BIN / "clawrl-engine"),
@@ -53,6 +53,7 @@ def start_engine(model: str, port: int, log_path: Path) -> subprocess.Popen:
         str(port),
         "--model",
         model,
+        *extra,
     ]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
