@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,22 +27,12 @@ sys.path.insert(0, str(REPO))
 
 from clawrl.common.proto.records_pb2 import FinalizeReason  # noqa: E402
 from clawrl.common.records import Turn, encode_entry  # noqa: E402
+from tests.bench.bench_gateway import free_port, process_cpu_s  # noqa: E402
 
 
 def constant(turn) -> float:
     """The trivial reward_fn: the pipeline's own cost is what is measured."""
     return 1.0
-
-
-def process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def turn(i: int) -> Turn:

@@ -29,6 +29,7 @@ from clawrl.judge.votes import agreement, majority, parse_boxed, wire_votes
 
 MODES = {"rl": SampleMode.SAMPLE_MODE_BINARY_RL, "opd": SampleMode.SAMPLE_MODE_OPD}
 MODES["combine"] = SampleMode.SAMPLE_MODE_COMBINED
+TRAINED = MaskReason.MASK_REASON_UNSPECIFIED  # enum lookups are slow on the per-turn path
 KIND = {"rl": "rl", "opd": "opd", "combine": "combined"}
 MAX_FIT_ROUNDS = 6
 AUDIT_TEXT_CHARS = 20_000
@@ -67,7 +68,7 @@ class Judgement:
 
     @property
     def effective(self) -> bool:
-        return self.sample.mask_reason == MaskReason.MASK_REASON_UNSPECIFIED
+        return self.sample.mask_reason == TRAINED
 
 
 def promote(sample: Sample) -> Sample:
@@ -109,7 +110,7 @@ def set_mask(sample: Sample, reason: int | None) -> Sample:
     """Trained (loss_mask ones) when `reason` is None, else masked with that reason."""
     trained = reason is None
     sample.loss_mask[:] = [1.0 if trained else 0.0] * len(sample.response_ids)
-    sample.mask_reason = MaskReason.MASK_REASON_UNSPECIFIED if trained else reason
+    sample.mask_reason = TRAINED if trained else reason
     return sample
 
 

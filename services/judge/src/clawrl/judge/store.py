@@ -80,13 +80,11 @@ class JudgeStore:
         return f"{self.config.prefix}:session:{session_id}"
 
     async def judged(self, turn_ids: list[str]) -> list[bool]:
-        """For each turn id, whether its sample is already written (one round trip)."""
+        """For each turn id, whether its sample is already written (one MGET)."""
         if not turn_ids:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for turn_id in turn_ids:
-                pipe.exists(self.done_key(turn_id))
-            return [bool(n) for n in await pipe.execute()]
+        markers = await self.redis.mget([self.done_key(turn_id) for turn_id in turn_ids])
+        return [marker is not None for marker in markers]
 
     def _args(self, entry_id: str, judgement: Judgement) -> tuple[list[str], list]:
         c = self.config
