@@ -4,6 +4,7 @@ drop, dedupe of redelivered samples, bad samples dead-lettered, nothing left ove
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 
 import pytest
@@ -31,7 +32,8 @@ async def one_step(trainer):
     return await trainer.step(collected)
 
 
-async def test_masked_samples_do_not_fill_a_batch(redis, redis_url, tmp_path) -> None:
+async def test_masked_samples_do_not_fill_a_batch(redis, redis_url, tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="clawrl.trainer.training")
     settings = settings_for(redis_url, tmp_path)
     trainer = await start_trainer(settings, redis)
     samples = [
@@ -46,6 +48,8 @@ async def test_masked_samples_do_not_fill_a_batch(redis, redis_url, tmp_path) ->
     await publish_all(redis, settings, samples)
     report = await one_step(trainer)
     assert report.sample_ids == ("a:0", "b:0", "c:0", "d:0")
+    assert "step 1: 4 samples, 36 tokens, staleness <= 0, loss" in caplog.text  # one line a step
+    assert report.figures["reward_mean"] == 0.5 and report.figures["tokens_per_second"] > 0
     assert counter(trainer, "clawrl_trainer_samples_consumed_total", kind="masked") == 2
     assert counter(trainer, "clawrl_trainer_samples_consumed_total", kind="trained") == 4
     assert await pending(redis, settings) == 0  # step committed: all acknowledged

@@ -250,12 +250,13 @@ class Trainer:
                     figures[f"{phase}_s"]
                 )
         m.record_step(figures)
+        staleness = version - int(batch.policy_versions.min())
         with log_context(policy_version=self.state.policy_version):
             log.info(
-                "step %d: %d samples, %d tokens, loss %.4f, reward %.3f, adv %.3f±%.3f, "
-                "clip %.3f, entropy %.3f, kl %.4f, |old-rollout| %.5f, grad %.3f, %.1f tok/s, "
-                "%.2fs (logp %.2fs, fwd/bwd %.2fs, opt %.2fs)",
-                self.state.step, batch.size, tokens, figures.get("loss", 0.0),
+                "step %d: %d samples, %d tokens, staleness <= %d, loss %.4f, reward %.3f, "
+                "adv %.3f±%.3f, clip %.3f, entropy %.3f, kl %.4f, |old-rollout| %.5f, "
+                "grad %.3f, %.1f tok/s, %.2fs (logp %.2fs, fwd/bwd %.2fs, opt %.2fs)",
+                self.state.step, batch.size, tokens, staleness, figures.get("loss", 0.0),
                 figures["reward_mean"], figures["advantage_mean"], figures["advantage_std"],
                 figures.get("clip_frac", 0.0), figures.get("entropy", 0.0),
                 figures.get("kl_ref", 0.0), figures["old_rollout_abs_diff"],
