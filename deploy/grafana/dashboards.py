@@ -120,8 +120,11 @@ SERVING = [
             ("max(clawrl_gateway_paused)", "paused"),
             (rate("clawrl_gateway_hold_duration_seconds_count"), "held requests released/s"),
             (rate("clawrl_gateway_hold_timeouts_total"), "hold timeouts/s"),
+            (rate("clawrl_gateway_pause_lease_expiries_total"), "pause leases expired/s"),
+            (rate("clawrl_gateway_pause_refusals_total"), "pauses refused/s"),
         ),
-        "1 while the gateway is paused for a weight sync.",
+        "1 while the gateway is paused for a weight sync; an expired lease means a sync job "
+        "died mid-pause and the gateway resumed by itself.",
     ),
     Panel(
         "Policy version served",
