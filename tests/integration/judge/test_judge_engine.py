@@ -169,6 +169,7 @@ async def test_openai_backend_votes_through_the_cpu_engines_chat_api(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 async def test_rl_scores_a_turn_from_real_votes_of_the_135m_model(
     redis: Redis, redis_url: str, engine_factory
 ) -> None:
