@@ -12,6 +12,7 @@ import json
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from redis.asyncio import Redis
 
 from clawrl.common.proto import judge_pb2_grpc
@@ -164,6 +165,13 @@ async def test_judge_grpc_scores_a_turn(redis_url: str) -> None:
             health = health_pb2_grpc.HealthStub(channel)
             status = await health.Check(health_pb2.HealthCheckRequest(service="clawrl.v1.Judge"))
             assert status.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            listed = set()
+            async for reply in reflection.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            ):
+                listed |= {s.name for s in reply.list_services_response.service}
+            assert "clawrl.v1.Judge" in listed and "grpc.health.v1.Health" in listed
             stub = judge_pb2_grpc.JudgeStub(channel)
             turn = make_turn("g", 0, response="-1", next_state=said("x"))
             sample = await stub.Score(turn)
