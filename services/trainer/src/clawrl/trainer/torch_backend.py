@@ -1,12 +1,17 @@
 """The PyTorch backend: an HF transformers causal LM in one process, on CPU (float32) or one GPU
 (bfloat16), AdamW, micro-batches by token budget with gradient accumulation.
 
+In bfloat16 the weights and Adam's moments stay float32 and only the forward runs in bfloat16
+(autocast): a 1e-5 step is below bfloat16's resolution for most weights and would be lost.
+Exports are written in the compute dtype, which is what the engines serve.
+
 Only the response rows of the last hidden state go through the output layer: a [b, R, V] logits
 tensor instead of [b, L, V], which is most of the memory of a step at a 49k vocabulary.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -67,6 +72,7 @@ class TorchBackend:
         self.ppo = ppo
         self.device = pick_device(train.device)
         self.dtype = pick_dtype(train.dtype, self.device)
+        self._autocast = self.dtype != torch.float32
         self.model_dir: Path | None = None
         self.model = None
         self.reference = None
@@ -79,7 +85,7 @@ class TorchBackend:
     # --- loading ---------------------------------------------------------------------------------
 
     def _load_model(self, model_dir: Path):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return model.to(self.device)
 
     def load(self, model_dir: Path, *, load_reference: bool) -> None:
@@ -105,9 +111,10 @@ class TorchBackend:
         input_ids = batch.input_ids.to(self.device)
         positions = torch.arange(input_ids.shape[1], device=self.device)[None, :]
         attention_mask = (positions < batch.lengths.to(self.device)[:, None]).long()
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
-        rows = response_rows(hidden, batch.prompt_lengths, batch.response_width)
-        return model.get_output_embeddings()(rows)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self._autocast):
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
+            rows = response_rows(hidden, batch.prompt_lengths, batch.response_width)
+            return model.get_output_embeddings()(rows)
 
     @staticmethod
     def _valid(batch: TrainBatch) -> Tensor:
@@ -185,7 +192,12 @@ class TorchBackend:
     # --- files -----------------------------------------------------------------------------------
 
     def export_hf(self, path: Path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)
+        weights = {k: v.to(self.dtype) for k, v in self.model.state_dict().items()}
+        self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        if self.dtype != torch.float32:
+            config = json.loads((Path(path) / "config.json").read_text())
+            config["dtype"] = str(self.dtype).removeprefix("torch.")
+            (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
         for name in TOKENIZER_FILES:
             source = self.model_dir / name
             if source.is_file():
