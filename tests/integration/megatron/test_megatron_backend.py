@@ -26,6 +26,7 @@ from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import PPOSettings, RaySettings, TrainerSettings, TrainSettings
 from tests.conftest import free_port
 from tests.integration.megatron.recording_engine import recording_engines
+from tests.unit.trainer.test_torch_backend import samples  # odd samples: positive reward
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,19 +36,6 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return resolve_model_dir(ModelSettings(path=SMOLLM2_TINY))
-
-
-def samples() -> list[Sample]:
-    """Prompts and responses of different lengths (right padding, several micro-batches);
-    odd samples get a positive reward, even ones a negative reward."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, (p, r) in enumerate([(5, 3), (2, 7), (9, 1), (4, 4)]):
-        ids = torch.randint(0, 49152, (p + r,), generator=gen).tolist()
-        out.append(Sample(sample_id=f"s:{i}", session_id="s", prompt_ids=ids[:p],
-                          response_ids=ids[p:], old_logprobs=[-1.0] * r, loss_mask=[1.0] * r,
-                          reward=1.0 if i % 2 else -1.0))  # fmt: skip
-    return out
 
 
 def settings(tp: int) -> TrainerSettings:

@@ -31,7 +31,7 @@ def test_smollm2_135m_heads_refuse_tp2_and_accept_tp3():
     with pytest.raises(LayoutError, match="num_attention_heads=9 is not divisible"):
         check_tensor_parallel(shape, 2)
     check_tensor_parallel(shape, 3)
-    # more ranks than KV heads (4 heads, 2 KV heads at TP=4): Megatron shares a KV head
+    # more ranks than KV heads (4 heads, 2 KV heads at TP=4): Megatron shares a KV head (GPU)
     check_tensor_parallel(ModelShape.from_hf_config(tiny_configs()["llama"]), 4)
 
 
@@ -117,3 +117,11 @@ def test_start_up_check_refuses_tp2_for_smollm2_135m():
     model_dir = resolve_model_dir(ModelSettings(path=SMOLLM2))
     with pytest.raises(LayoutError, match="tensor parallel size 2 is impossible"):
         check_layout(settings, model_dir)
+
+
+def test_cpu_refuses_more_ranks_than_kv_heads(tmp_path):
+    tiny_configs()["llama"].save_pretrained(tmp_path)  # 4 heads, 2 KV heads
+    settings = TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=4))
+    with pytest.raises(LayoutError, match="cannot exceed the model's 2 KV heads"):
+        check_layout(settings, tmp_path)
+    check_layout(TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=2)), tmp_path)

@@ -20,9 +20,15 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from clawrl.trainer.backend import TrainBatch, Which, micro_batches, response_rows
+from clawrl.trainer.backend import (
+    TrainBatch,
+    Which,
+    accumulate_gradients,
+    micro_batches,
+    response_rows,
+)
 from clawrl.trainer.backend import response_targets as targets_of
-from clawrl.trainer.losses import LossConfig, TokenTerms, micro_batch_weight, policy_objective
+from clawrl.trainer.losses import LossConfig, TokenTerms
 from clawrl.trainer.megatron import logprobs as vp
 from clawrl.trainer.megatron.layout import ModelShape, check_tensor_parallel
 from clawrl.trainer.megatron.mapping import megatron_to_hf
@@ -285,14 +291,9 @@ class MegatronRank:
         if on_gpu:
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=not on_gpu)
-        totals: dict[str, float] = {}
-        for group in micro_batches(batch.lengths.tolist(), self.cfg.micro_batch_tokens):
-            micro = batch.select(group)
-            weight = micro_batch_weight(micro.loss_mask, batch.loss_mask, loss_cfg.aggregation)
-            loss, metrics = policy_objective(self._terms(micro, loss_cfg), loss_cfg)
-            (loss * weight).backward()
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + weight * float(value)
+        totals = accumulate_gradients(
+            batch, loss_cfg, self.cfg.micro_batch_tokens, lambda micro: self._terms(micro, loss_cfg)
+        )
         forward_backward_s = time.perf_counter() - started
         optimizer_started = time.perf_counter()
         if on_gpu:
