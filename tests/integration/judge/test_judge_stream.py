@@ -239,4 +239,15 @@ async def test_retention_trims_only_what_every_group_acknowledged(redis: Redis, 
             await asyncio.sleep(0.1)
     # Approximate trimming drops whole stream nodes (100 entries by default).
     assert await redis.xlen(stream) <= 50
+    # Samples no group has read yet are kept; once the trainers acknowledged them they go.
     assert len(await samples(redis, settings)) == 150
+    sstream = settings.redis.samples_stream
+    await redis.xgroup_create(sstream, "trainers", id="0")
+    read = await redis.xreadgroup("trainers", "t1", {sstream: ">"}, count=1000)
+    await redis.xack(sstream, "trainers", *[eid for eid, _ in read[0][1]])
+    async with running(settings, serve=False):
+        for _ in range(50):
+            if await redis.xlen(sstream) < 150:
+                break
+            await asyncio.sleep(0.1)
+    assert await redis.xlen(sstream) <= 50

@@ -111,7 +111,7 @@ class JudgeMetrics:
         )
         self.trimmed = Counter(
             "clawrl_judge_trimmed_entries_total",
-            "Acknowledged entries trimmed by retention, by stream (turns, audit).",
+            "Acknowledged entries trimmed by retention, by stream (turns, samples).",
             ["stream"],
             registry=r,
         )

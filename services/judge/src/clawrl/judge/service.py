@@ -184,7 +184,12 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
     service = JudgeService(settings, judge, metrics, redis, store, engine, workers)
     tasks = [asyncio.create_task(w.run(service.stop), name=f"judge-worker-{i}")
              for i, w in enumerate(workers)]  # fmt: skip
-    retention_streams = {"turns": settings.redis.turns_stream}
+    # Samples too: the trainers' group decides what is acknowledged (nothing is trimmed
+    # before a group exists); the XADD cap is only a backstop.
+    retention_streams = {
+        "turns": settings.redis.turns_stream,
+        "samples": settings.redis.samples_stream,
+    }
     tasks.append(asyncio.create_task(housekeeping(
         redis, workers[0].consumer, retention_streams, metrics, settings.retention, service.stop
     )))  # fmt: skip

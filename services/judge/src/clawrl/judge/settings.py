@@ -139,7 +139,8 @@ class WorkerSettings(Section):
 
 
 class RetentionSettings(Section):
-    """Streams do not grow without bound: trimming of acknowledged entries."""
+    """Streams do not grow without bound: the turns and samples streams are trimmed below what
+    every consumer group acknowledged (XTRIM MINID); the audit stream is capped."""
 
     interval_s: float = Field(30.0, gt=0, description="How often streams are trimmed.")
     keep_s: float = Field(
