@@ -36,9 +36,11 @@ def url(engine_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(engine_factory) -> str:
+    # A small KV budget, for the admission test; the other tests send one request at a time.
     return engine_factory(
-        "smollm2-tiny", "--disable-radix-cache", "--chunked-prefill-size", "100000"
-    )
+        "smollm2-tiny", "--disable-radix-cache", "--chunked-prefill-size", "100000",
+        "--max-total-tokens", "300",
+    )  # fmt: skip
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:
@@ -205,3 +207,32 @@ def test_requests_beyond_the_context_get_a_clear_400(url):
     )
     assert too_much.status_code == 400
     assert "exceeds the context length" in json.dumps(too_much.json())
+
+
+def test_admission_by_kv_in_use_runs_more_requests_and_retracts_when_full(reference):
+    """4 requests of 10 + 100 tokens under a 300-token KV budget: reserving max_new_tokens up
+    front would run 2 at once; admitting by use runs all 4, retracts when the batch outgrows
+    the budget, and every answer is still the one it gets alone."""
+    bodies = [
+        {
+            "input_ids": prompt(70 + i, 10),
+            "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(4)
+    ]
+    alone = [generate(reference, **body)["output_ids"] for body in bodies]
+    retracted = metric(reference, "clawrl_engine_retracted_requests_total", reason="kv_budget")
+    replies: list = [None] * 4
+
+    def one(i: int) -> None:
+        replies[i] = generate(reference, **bodies[i])
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    assert [reply["output_ids"] for reply in replies] == alone
+    assert metric(reference, "clawrl_engine_max_decode_batch_size") == 4
+    after = metric(reference, "clawrl_engine_retracted_requests_total", reason="kv_budget")
+    assert after > retracted
