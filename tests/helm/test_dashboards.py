@@ -80,7 +80,8 @@ def test_the_local_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is not installed (make setup installs prometheus)")
-    ports = {"gateway": 1, "policy-engine": 2, "judge-engine": 3, "judge": 4, "trainer": 5}
+    ports = {"gateway": 1, "policy-engine": 2, "judge-engine": 3, "judge": 4, "trainer": 5,
+             "weight-sync": 6}  # fmt: skip
     config = write_config(tmp_path / "prometheus.yml", ports)
     result = subprocess.run(
         [promtool, "check", "config", str(config)], capture_output=True, text=True, check=False
