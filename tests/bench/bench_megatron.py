@@ -86,25 +86,24 @@ async def main(args: argparse.Namespace) -> None:
     except LayoutError as exc:
         print(f"TP=2 refused: {exc}")
     ray.init(num_cpus=max(2, *args.tp), include_dashboard=False, log_to_driver=False)
-    rows = []
+    print(f"{args.model}: batch {args.batch} x ({args.prompt} prompt + {args.response} "
+          f"response), micro-batch budget {args.micro_batch_tokens}, {args.steps} timed steps "
+          f"(+1 warm-up); a step = log-prob recompute + PPO step")  # fmt: skip
+    print(f"{'backend':<16}{'load s':>9}{'step s':>9}{'tokens/s':>10}{'loss':>10}", flush=True)
+
+    def show(r: dict) -> None:
+        print(f"{r['backend']:<16}{r['load_s']:>9.1f}{r['step_s']:>9.1f}"
+              f"{r['tokens_per_s']:>10.1f}{r['loss']:>10.4f}", flush=True)  # fmt: skip
+
     torch.set_num_threads(2)
     torch_settings = settings_for(args, "torch", 1)
-    rows.append(await measure("torch", InProcess(TorchBackend(torch_settings.train,
-                              torch_settings.ppo)), model_dir, args))  # fmt: skip
+    show(await measure("torch", InProcess(TorchBackend(torch_settings.train, torch_settings.ppo)),
+                       model_dir, args))  # fmt: skip
     for tp in args.tp:
         actors = start_actors(settings_for(args, "megatron", tp))
-        rows.append(await measure(f"megatron TP={tp}", ActorGroup(actors), model_dir, args))
+        show(await measure(f"megatron TP={tp}", ActorGroup(actors), model_dir, args))
         stop_actors(actors)
     ray.shutdown()
-    print(
-        f"\n{args.model}: batch {args.batch} x ({args.prompt} prompt + {args.response} "
-        f"response), micro-batch budget {args.micro_batch_tokens}, "
-        f"{args.steps} timed steps (+1 warm-up); a step = log-prob recompute + PPO step"
-    )
-    print(f"{'backend':<16}{'load s':>9}{'step s':>9}{'tokens/s':>10}{'loss':>10}")
-    for r in rows:
-        print(f"{r['backend']:<16}{r['load_s']:>9.1f}{r['step_s']:>9.1f}"
-              f"{r['tokens_per_s']:>10.1f}{r['loss']:>10.4f}")  # fmt: skip
 
 
 if __name__ == "__main__":
