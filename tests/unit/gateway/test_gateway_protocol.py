@@ -116,3 +116,40 @@ def test_bad_requests(body, param, match):
 def test_assistant_tool_calls_are_checked():
     msg = {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": 1}}]}
     bad({"messages": [USER, msg]}, "messages[1].tool_calls[0].function")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "match"),
+    [
+        # SGLang refuses top_p = 0: the gateway refuses it first, as a 400 naming the field.
+        ({"top_p": 0}, "top_p", "(0, 1]"),
+        ({"top_k": 0}, "top_k", "-1"),
+        ({"top_k": "5"}, "top_k", "integer"),
+        ({"temperature": "0.5"}, "temperature", "number"),
+        ({"tool_choice": "required"}, "tool_choice", "'required' is not supported"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+            "named function is not supported",
+        ),
+        ({"top_logprobs": 3}, "top_logprobs", "requires logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "between 0 and 20"),
+        ({"stop": ["a"] * 17}, "stop", "at most 16"),
+    ],
+)
+def test_ranges_and_unsupported_options_are_refused(extra, param, match):
+    bad({"messages": [USER], **extra}, param, match)
+
+
+def test_top_k_and_top_logprobs_are_read():
+    req = parse({"messages": [USER], "top_k": 20, "logprobs": True, "top_logprobs": 2})
+    assert (req.top_k, req.logprobs, req.top_logprobs) == (20, True, 2)
+    assert parse({"messages": [USER]}).top_k == -1
+
+
+def test_the_caller_scope_comes_from_the_key_and_user_never_the_key_itself():
+    a = parse({"messages": [USER]}, {"authorization": "Bearer sk-a"}).session.scope
+    b = parse({"messages": [USER]}, {"authorization": "Bearer sk-b"}).session.scope
+    u = parse({"messages": [USER], "user": "u1"}, {"authorization": "Bearer sk-a"}).session.scope
+    assert len({a, b, u}) == 3 and "sk-a" not in a
+    assert parse({"messages": [USER]}).session.scope == "-"

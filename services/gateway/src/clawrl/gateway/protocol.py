@@ -1,15 +1,29 @@
-"""The OpenAI chat-completions request as the gateway accepts it: parsing, validation with
-precise `param` paths, and the session keys (headers, or the same keys in the body, which are
-stripped before serving). Pure: no I/O."""
+"""The OpenAI chat-completions request as the gateway accepts it: pydantic models (the one way a
+request is validated; ranges as SGLang checks them), errors with precise `param` paths, and the
+session keys (headers, or the same keys in the body, which are stripped before serving). Pure:
+no I/O."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from clawrl.gateway.errors import InvalidRequest
 from clawrl.gateway.sessions import caller_scope
@@ -18,7 +32,237 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TURN_TYPES = ("main", "side")
 SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
 MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+
+Number = StrictInt | StrictFloat
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _fail(message: str, **context: Any) -> PydanticCustomError:
+    return PydanticCustomError("invalid", message, context or None)
+
+
+# --- the request models -------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    # Unknown keys are allowed (clients send OpenAI fields the gateway does not use: metadata,
+    # parallel_tool_calls, response_format, name, tool_call_id ...); known ones are strict.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        if not isinstance(part, dict):
+            raise _fail("must be an object, got {kind}", kind=_kind(part))
+        if part.get("type") != "text":
+            raise _fail(
+                "only text content parts are supported, got type {kind!r}", kind=part.get("type")
+            )
+        return part
+
+
+class FunctionCall(_Model):
+    name: StrictStr
+    arguments: Any = "{}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, fn: Any) -> Any:
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _fail("must be an object with a string name")
+        return fn
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, arguments: Any) -> Any:
+        if not isinstance(arguments, str | dict):
+            raise _fail("must be a JSON string")
+        return arguments
+
+
+class ToolCallIn(_Model):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Any = Field(None, validate_default=True)
+    content: StrictStr | list[TextPart] | None = Field(None, validate_default=True)
+    tool_calls: list[ToolCallIn] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: Any) -> str:
+        if role not in ROLES:
+            raise _fail(
+                "unknown role {role!r} (expected one of {roles})", role=role, roles=", ".join(ROLES)
+            )
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise _fail("is required and must be a string")
+        return content
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDef(_Model):
+    name: Annotated[StrictStr, Field(min_length=1)]
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_tool(cls, tool: Any) -> Any:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _fail("must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        if tool.get("type", "function") != "function":
+            raise _fail("only 'function' tools are supported")
+        return tool
+
+
+class NamedFunction(_Model):
+    name: StrictStr
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool | None = None
+
+
+def _between(low: float, high: float, *, low_open: bool = False):
+    """A validator: a number in [low, high], or (low, high] when `low_open`."""
+    bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def check(cls, value: float | None) -> float | None:
+        above = value is None or (value > low if low_open else value >= low)
+        if value is not None and not (above and value <= high):
+            raise _fail(
+                "must be between {low} and {high} {bounds}, got {value}",
+                low=f"{low:g}",
+                high=f"{high:g}",
+                bounds=bounds,
+                value=value,
+            )
+        return value
+
+    return classmethod(check)
+
+
+class ChatBody(_Model):
+    """The body of POST /v1/chat/completions (session keys already taken out)."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    model: StrictStr | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    n: StrictInt | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    stop: Any = None
+    seed: StrictInt | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    user: StrictStr | None = None
+
+    # OpenAI's temperature range; SGLang's own bound is >= 0. SGLang refuses top_p outside
+    # (0, 1].
+    _temperature = field_validator("temperature")(_between(0.0, 2.0))
+    _top_p = field_validator("top_p")(_between(0.0, 1.0, low_open=True))
+    _penalties = field_validator("frequency_penalty", "presence_penalty")(_between(-2.0, 2.0))
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise _fail("must be at least 1, got {value}", value=value)
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise _fail("must be -1 (no top-k) or at least 1, got {value}", value=value)
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _fail("only n=1 is supported, got {value}", value=value)
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _fail("requires logprobs to be true")
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise _fail("must be between 0 and {n}, got {value}", n=MAX_TOP_LOGPROBS, value=value)
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, raw: Any) -> list[str]:
+        stops = [] if raw is None else [raw] if isinstance(raw, str) else raw
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _fail("must be a string or an array of strings")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _fail("accepts at most {n} sequences", n=MAX_STOP_SEQUENCES)
+        return [s for s in stops if s]
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, raw: Any) -> Any:
+        if raw is None or raw in ("none", "auto"):
+            return raw
+        named = isinstance(raw, dict) and isinstance((raw.get("function") or {}).get("name"), str)
+        if raw == "required" or named:
+            # Forcing a call would need constrained decoding, and the tokens it samples would
+            # no longer be the policy's own samples: refused rather than silently ignored.
+            raise _fail(
+                "{choice} is not supported: the gateway serves the policy's own samples and "
+                "cannot force a tool call; send 'auto' (or 'none')",
+                choice="'required'" if raw == "required" else "a named function",
+            )
+        raise _fail("must be 'none', 'auto', 'required' or a function, got {raw!r}", raw=raw)
+
+
+# --- the validated request ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -44,12 +288,14 @@ class ChatRequest:
     include_usage: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: bool = False
+    top_logprobs: int = 0
     session: SessionMeta = field(default_factory=SessionMeta)
     input_chars: int = 0  # size of messages + tools, to decide where to tokenise
 
@@ -75,43 +321,118 @@ def parse_chat_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
     """Parse and validate a /v1/chat/completions body; session keys are taken out of it."""
     data = parse_body(body)
     session = session_meta(data, headers)
-    messages, render_messages, chars = _messages(data.get("messages"))
-    tools, tool_chars = _tools(data.get("tools"))
-    n = _int(data, "n", minimum=1)
-    if n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
-    max_tokens = _int(data, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = _int(data, "max_tokens", minimum=1)
-    stream = _bool(data, "stream")
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequest("stream_options must be an object", param="stream_options")
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model must be a string", param="model")
-    top_logprobs = _int(data, "top_logprobs", minimum=0)
-    if top_logprobs is not None and top_logprobs > 20:
-        raise InvalidRequest("top_logprobs must be at most 20", param="top_logprobs")
+    try:
+        chat = ChatBody.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    render_messages, chars = [], 0
+    for message in chat.messages:
+        text = message.text()
+        chars += len(text)
+        copy: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": text,
+        }
+        if message.role == "assistant" and message.tool_calls:
+            calls = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+            copy["tool_calls"] = calls
+            chars += sum(len(str(call["function"].get("arguments", ""))) for call in calls)
+        render_messages.append(copy)
+    tools = data.get("tools") or None
     return ChatRequest(
-        messages=messages,
+        messages=data["messages"],
         render_messages=render_messages,
         tools=tools,
-        tool_choice=_tool_choice(data.get("tool_choice"), tools),
-        model=model,
-        stream=stream,
-        include_usage=bool(stream and options and options.get("include_usage")),
-        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(data, "top_p", 1.0, 0.0, 1.0),
-        max_tokens=max_tokens,
-        stop=_stop(data.get("stop")),
-        seed=_int(data, "seed"),
-        frequency_penalty=_number(data, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_number(data, "presence_penalty", 0.0, -2.0, 2.0),
-        logprobs=_bool(data, "logprobs"),
+        tool_choice=chat.tool_choice,
+        model=chat.model,
+        stream=bool(chat.stream),
+        include_usage=bool(
+            chat.stream and chat.stream_options and chat.stream_options.include_usage
+        ),
+        temperature=float(1.0 if chat.temperature is None else chat.temperature),
+        top_p=float(1.0 if chat.top_p is None else chat.top_p),
+        top_k=-1 if chat.top_k is None else chat.top_k,
+        max_tokens=chat.max_completion_tokens or chat.max_tokens,
+        stop=chat.stop,
+        seed=chat.seed,
+        frequency_penalty=float(chat.frequency_penalty or 0.0),
+        presence_penalty=float(chat.presence_penalty or 0.0),
+        logprobs=bool(chat.logprobs),
+        top_logprobs=chat.top_logprobs or 0,
         session=session,
-        input_chars=chars + tool_chars,
+        # Rendering cost grows with the schemas' size; str() is a cheap enough estimate of it.
+        input_chars=chars + (sum(len(str(tool)) for tool in tools) if tools else 0),
     )
+
+
+# --- pydantic errors as OpenAI errors -----------------------------------------------------
+
+# Union members and validator names pydantic puts into an error's location.
+_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+# What a value that matched no member of a union should have been, by field.
+_UNIONS = {
+    "content": "must be a string or an array of text parts",
+    "temperature": "must be a number",
+    "top_p": "must be a number",
+    "frequency_penalty": "must be a number",
+    "presence_penalty": "must be a number",
+}
+_MESSAGES = {
+    "missing": "is a required property",
+    "too_short": "must contain at least one message",
+    "list_type": "must be an array, got {kind}",
+    "model_type": "must be an object, got {kind}",
+    "model_attributes_type": "must be an object, got {kind}",
+    "dict_type": "must be an object, got {kind}",
+    "string_type": "must be a string, got {kind}",
+    "int_type": "must be an integer, got {value}",
+    "bool_type": "must be a boolean, got {kind}",
+    "float_type": "must be a number, got {value}",
+    "literal_error": "must be {expected}, got {value}",
+    "string_too_short": "must not be empty",
+}
+
+
+def _is_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TAGS or "[" in part or part[:1].isupper())
+
+
+def _param(loc: tuple) -> str:
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        else:
+            param += f".{part}" if param else str(part)
+    return param
+
+
+def invalid_request(exc: ValidationError) -> InvalidRequest:
+    """The most specific of pydantic's errors as an OpenAI 400 with its `param` path."""
+    errors = [(tuple(p for p in e["loc"] if not _is_tag(p)), e) for e in exc.errors()]
+    deepest = max(len(loc) for loc, _ in errors)
+    at = [(loc, e) for loc, e in errors if len(loc) == deepest]
+    loc, error = at[0]
+    param = _param(loc) or None
+    name = str(loc[-1]) if loc else ""
+    if error["type"] == "invalid" or (param is None and error["type"] not in _MESSAGES):
+        text = error["msg"]
+    elif len({e["type"] for _, e in at}) > 1 and name in _UNIONS:
+        text = f"{_UNIONS[name]}, got {_kind(error['input'])}"
+    elif error["type"] == "missing":
+        return InvalidRequest(f"'{name}' is a required property", param=param)
+    else:
+        template = _MESSAGES.get(error["type"])
+        context = {
+            **(error.get("ctx") or {}),
+            "kind": _kind(error["input"]),
+            "value": repr(error["input"]),
+        }
+        text = template.format(**context) if template else error["msg"]
+    return InvalidRequest(f"{param} {text}" if param else text, param=param)
+
+
+# --- session keys -------------------------------------------------------------------------
 
 
 def session_meta(data: dict[str, Any], headers: Mapping[str, str]) -> SessionMeta:
@@ -145,182 +466,6 @@ def _truthy(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in TRUE_WORDS
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _text(content: Any, param: str, *, nullable: bool) -> tuple[str, int]:
-    """Message content as text (a string or a list of text parts) and its length."""
-    if content is None:
-        if nullable:
-            return "", 0
-        raise InvalidRequest(f"{param} is required and must be a string", param=param)
-    if isinstance(content, str):
-        return content, len(content)
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            where = f"{param}[{j}]"
-            if not isinstance(part, dict):
-                raise InvalidRequest(f"{where} must be an object, got {_kind(part)}", param=where)
-            if part.get("type") != "text":
-                raise InvalidRequest(
-                    f"{where}: only text content parts are supported, got type "
-                    f"{part.get('type')!r}",
-                    param=where,
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
-            texts.append(text)
-        joined = "".join(texts)
-        return joined, len(joined)
-    raise InvalidRequest(
-        f"{param} must be a string or an array of text parts, got {_kind(content)}", param=param
-    )
-
-
-def _messages(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    if raw is None:
-        raise InvalidRequest("'messages' is a required property", param="messages")
-    if not isinstance(raw, list):
-        raise InvalidRequest(f"messages must be an array, got {_kind(raw)}", param="messages")
-    if not raw:
-        raise InvalidRequest("messages must contain at least one message", param="messages")
-    rendered = []
-    chars = 0
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"{where} must be an object, got {_kind(message)}", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(
-                f"{where}.role: unknown role {role!r} (expected one of {', '.join(ROLES)})",
-                param=f"{where}.role",
-            )
-        tool_calls = message.get("tool_calls") if role == "assistant" else None
-        if tool_calls is not None:
-            chars += _check_tool_calls(tool_calls, f"{where}.tool_calls")
-        text, size = _text(message.get("content"), f"{where}.content", nullable=role == "assistant")
-        chars += size
-        copy = {"role": "system" if role == "developer" else role, "content": text}
-        if tool_calls:
-            copy["tool_calls"] = tool_calls
-        rendered.append(copy)
-    return raw, rendered, chars
-
-
-def _check_tool_calls(calls: Any, param: str) -> int:
-    if not isinstance(calls, list):
-        raise InvalidRequest(f"{param} must be an array", param=param)
-    size = 0
-    for j, call in enumerate(calls):
-        where = f"{param}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidRequest(
-                f"{where} must be an object with function.name", param=f"{where}.function"
-            )
-        arguments = fn.get("arguments", "{}")
-        if not isinstance(arguments, str | dict):
-            raise InvalidRequest(
-                f"{where}.function.arguments must be a JSON string",
-                param=f"{where}.function.arguments",
-            )
-        size += len(arguments) if isinstance(arguments, str) else 64
-    return size
-
-
-def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, int]:
-    if raw is None:
-        return None, 0
-    if not isinstance(raw, list):
-        raise InvalidRequest(f"tools must be an array, got {_kind(raw)}", param="tools")
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidRequest(
-                f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                param=where,
-            )
-        if tool.get("type", "function") != "function":
-            raise InvalidRequest(
-                f"{where}.type: only 'function' tools are supported", param=f"{where}.type"
-            )
-    # Rendering cost grows with the schemas' size; str() is a cheap enough estimate of it.
-    return (raw or None), sum(len(str(tool)) for tool in raw)
-
-
-def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> Any:
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        if raw not in ("none", "auto", "required"):
-            raise InvalidRequest(
-                f"tool_choice must be 'none', 'auto', 'required' or a function, got {raw!r}",
-                param="tool_choice",
-            )
-        return raw
-    if isinstance(raw, dict) and isinstance((raw.get("function") or {}).get("name"), str):
-        name = raw["function"]["name"]
-        if not any(tool["function"]["name"] == name for tool in tools or []):
-            raise InvalidRequest(
-                f"tool_choice names function {name!r}, which is not in tools",
-                param="tool_choice",
-            )
-        return raw
-    raise InvalidRequest("tool_choice is malformed", param="tool_choice")
-
-
-def _bool(data: dict[str, Any], key: str) -> bool:
-    value = data.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{key} must be a boolean, got {_kind(value)}", param=key)
-    return value
-
-
-def _int(data: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise InvalidRequest(f"{key} must be an integer, got {value!r}", param=key)
-    if minimum is not None and value < minimum:
-        raise InvalidRequest(f"{key} must be at least {minimum}, got {value}", param=key)
-    return value
-
-
-def _number(data: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = data.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise InvalidRequest(f"{key} must be a number, got {value!r}", param=key)
-    if not low <= value <= high:
-        raise InvalidRequest(f"{key} must be between {low:g} and {high:g}, got {value}", param=key)
-    return float(value)
-
-
-def _stop(raw: Any) -> list[str]:
-    if raw is None:
-        return []
-    stops = [raw] if isinstance(raw, str) else raw
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest("stop must be a string or an array of strings", param="stop")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise InvalidRequest(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences", param="stop")
-    return [s for s in stops if s]
 
 
 def dumps(value: Any) -> bytes:

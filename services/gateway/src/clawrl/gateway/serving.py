@@ -27,6 +27,7 @@ from clawrl.gateway.control import PauseGate
 from clawrl.gateway.errors import (
     ContextLengthExceeded,
     EngineBadReply,
+    InvalidRequest,
     engine_error_kind,
     to_http,
 )
@@ -59,6 +60,7 @@ class Generation:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_texts: list[str | None] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)  # [[logprob, id, text], ...] per token
     finish: str | None = None  # "stop" | "length" once finished
     prompt_tokens: int = 0
     weight_version: str = ""  # the engine's, for the weights that sampled these tokens
@@ -75,15 +77,18 @@ class Generation:
         cumulative = completion_tokens is None or len(ids) == completion_tokens
         logprobs = [entry[0] for entry in entries]
         texts = [entry[2] if len(entry) > 2 else None for entry in entries]
+        tops = meta.get("output_top_logprobs") or []
         text = reply.get("text") or ""
         if cumulative:
             added = text[len(self.text) :] if text.startswith(self.text) else ""
             self.ids, self.logprobs, self.token_texts, self.text = ids, logprobs, texts, text
+            self.top_logprobs = list(tops)
         else:
             added = text
             self.ids = self.ids + ids
             self.logprobs = self.logprobs + logprobs
             self.token_texts = self.token_texts + texts
+            self.top_logprobs = self.top_logprobs + list(tops)
             self.text += text
         if len(self.logprobs) != len(self.ids):
             raise EngineBadReply(
@@ -114,19 +119,23 @@ def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, A
     }
 
 
+def _token_logprob(token: str | None, logprob: float) -> dict[str, Any]:
+    token = token or ""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 def openai_logprobs(generation: Generation, start: int = 0) -> dict[str, Any]:
-    """OpenAI `logprobs` of the sampled tokens from `start` on (no top alternatives)."""
+    """OpenAI `logprobs` of the sampled tokens from `start` on, with the engine's top
+    alternatives when they were asked for (`top_logprobs`)."""
     content = []
+    tops = generation.top_logprobs
     for i in range(start, len(generation.ids)):
-        token = generation.token_texts[i] or ""
-        content.append(
-            {
-                "token": token,
-                "logprob": generation.logprobs[i],
-                "bytes": list(token.encode()),
-                "top_logprobs": [],
-            }
-        )
+        entry = _token_logprob(generation.token_texts[i], generation.logprobs[i])
+        alternatives = tops[i] if i < len(tops) and tops[i] else []
+        entry["top_logprobs"] = [
+            _token_logprob(top[2] if len(top) > 2 else None, top[0]) for top in alternatives
+        ]
+        content.append(entry)
     return {"content": content}
 
 
@@ -199,12 +208,19 @@ class ChatService:
     def payload(self, request: ChatRequest, prompt_ids: list[int]) -> dict[str, Any]:
         # presence/frequency penalties are accepted but not applied: they would make the
         # sampled tokens' log-probs differ from the policy's, and the turn is trained on them.
-        return {
+        if request.top_k != -1 and self.is_main(request):
+            raise InvalidRequest(
+                "top_k is only served on side turns (X-Turn-Type: side): a main turn is "
+                "recorded for training, and its record keeps temperature and top_p only",
+                param="top_k",
+            )
+        payload = {
             "input_ids": prompt_ids,
             "sampling_params": sampling_params(
                 max_new_tokens=self.max_new_tokens(request, len(prompt_ids)),
                 temperature=request.temperature,
                 top_p=request.top_p,
+                top_k=request.top_k,
                 stop=request.stop or None,
                 stop_token_ids=self.stop_token_ids,
                 seed=request.seed,
@@ -212,6 +228,9 @@ class ChatService:
             "return_logprob": True,
             "return_text_in_logprobs": request.logprobs,
         }
+        if request.top_logprobs:
+            payload["top_logprobs_num"] = request.top_logprobs
+        return payload
 
     def is_main(self, request: ChatRequest) -> bool:
         return (request.session.turn_type or self.default_turn_type) == "main"
