@@ -7,8 +7,12 @@ Like is compared with like: the gateway's /v1/chat/completions against the engin
 The engine's /generate with pre-rendered ids is shown as the floor. Gateway rows: `main`
 records every request as a turn in Redis (the default), `side` serves only.
 
+With `--instant-engine` the engine is a stand-in (tests/bench/instant_engine.py, real HTTP) that
+answers /generate at once, so only the gateway's own cost shows: the gateway rows are compared
+with the stand-in's /generate called directly.
+
     .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
-        [--max-tokens 6] [--rounds 2]
+        [--max-tokens 6] [--rounds 2] [--instant-engine]
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class Stack:
         """CPU time (user + system) used so far by the engine and the gateway."""
         return {name: process_cpu_s(proc.pid) for name, proc in self.named.items()}
 
-    def start(self) -> tuple[str, str]:
+    def start(self, instant: bool = False) -> tuple[str, str]:
         redis_port, engine_port = free_port(), free_port()
         gateway_port, grpc_port = free_port(), free_port()
         redis = shutil.which("redis-server") or "redis-server"
@@ -95,6 +99,13 @@ class Stack:
         engine = self.spawn(
             "engine",
             [
+                sys.executable,
+                str(Path(__file__).with_name("instant_engine.py")),
+                "--port",
+                str(engine_port),
+            ]
+            if instant
+            else [
                 *(str(BIN / "clawrl-engine"), "--host", "127.0.0.1"),
                 *("--port", str(engine_port), "--model", MODEL),
             ],
@@ -180,7 +191,11 @@ async def run(
     ]
     targets = {
         "engine /generate (ids)": (f"{engine_url}/generate", generates, {}),
-        "engine /v1/chat": (f"{engine_url}/v1/chat/completions", chats, {}),
+        **(
+            {}
+            if args.instant_engine
+            else {"engine /v1/chat": (f"{engine_url}/v1/chat/completions", chats, {})}
+        ),
         "gateway /v1/chat main": (f"{gateway_url}/v1/chat/completions", chats, {}),
         "gateway /v1/chat side": (
             f"{gateway_url}/v1/chat/completions",
@@ -225,8 +240,9 @@ async def run(
             for proc in ("engine", "gateway", "redis")
         )
         print(f"{name:<24} {rps:8.1f} {p50:8.1f} {p90:8.1f} {p99:8.1f}            {cpu_columns}")
-    base = rows["engine /v1/chat"]
-    print("\ngateway vs engine /v1/chat (goal: +<=2 ms p50, +<=10 ms p99, >=90% throughput)")
+    base_name = "engine /generate (ids)" if args.instant_engine else "engine /v1/chat"
+    base = rows[base_name]
+    print(f"\ngateway vs {base_name} (goal: +<=2 ms p50, +<=10 ms p99, >=90% throughput)")
     for name in ("gateway /v1/chat main", "gateway /v1/chat side"):
         rps, p50, _, p99 = rows[name]
         print(
@@ -239,27 +255,70 @@ async def run(
     # the /generate (ids) row is the engine work a gateway request really triggers.
     print(f"\n1 client, {args.serial_requests} requests x {args.rounds} rounds")
     serial: dict[str, list[float]] = {}
-    names = ("engine /generate (ids)", "engine /v1/chat", "gateway /v1/chat main",
-             "gateway /v1/chat side")  # fmt: skip
+    names = tuple(targets)
+    direct = [name for name in names if name.startswith("engine")]  # fmt: skip
     for _ in range(args.rounds):
         for name in names:
             url, bodies, headers = targets[name]
             latencies, _ = await load(url, bodies[: args.serial_requests], headers, 1)
             serial.setdefault(name, []).extend(latencies)
-    for name in names[:2]:
+    for name in direct:
         values = serial[name]
         p50, p99, mean = (1e3 * v for v in (percentile(values, 0.5), percentile(values, 0.99),
                                            statistics.mean(values)))  # fmt: skip
         print(f"  {name:<22} p50 {p50:6.2f} ms   p99 {p99:6.2f} ms   mean {mean:6.2f}")
-    for base_name in names[:2]:
-        direct = serial[base_name]
+    for base_name in direct:
+        floor = serial[base_name]
         print(f"  vs {base_name}:")
-        for name in names[2:]:
+        for name in names[len(direct) :]:
             values = serial[name]
-            p50 = (percentile(values, 0.5) - percentile(direct, 0.5)) * 1e3
-            p99 = (percentile(values, 0.99) - percentile(direct, 0.99)) * 1e3
-            mean = (statistics.mean(values) - statistics.mean(direct)) * 1e3
+            p50 = (percentile(values, 0.5) - percentile(floor, 0.5)) * 1e3
+            p99 = (percentile(values, 0.99) - percentile(floor, 0.99)) * 1e3
+            mean = (statistics.mean(values) - statistics.mean(floor)) * 1e3
             print(f"    {name:<22} p50 {p50:+6.2f} ms   p99 {p99:+6.2f} ms   mean {mean:+6.2f} ms")
+
+
+def render_costs() -> None:
+    """CPU per prompt of rendering + tokenising a growing agent conversation (big system prompt,
+    8 tool schemas), with and without the tokeniser's piece cache (identical ids, checked)."""
+    from clawrl.common.chat import ChatRenderer
+    from clawrl.common.settings import ModelSettings
+
+    cached = ChatRenderer.from_settings(ModelSettings(path=MODEL))
+    plain = ChatRenderer(cached.tokenizer, cached.template)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "does things " * 20,
+                "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+            },
+        }
+        for i in range(8)
+    ]
+    print("\nprompt render + tokenise, CPU ms per request (a new last message each time)")
+    for turns in (1, 10, 30):
+        messages = [{"role": "system", "content": "You are an agent. " * 200}]
+        for t in range(turns):
+            messages += [
+                {"role": "user", "content": f"Step {t}: " + "please look at this output " * 40},
+                {"role": "assistant", "content": f"Done {t}. " + "result text " * 30},
+            ]
+        messages.append({"role": "user", "content": "next?"})
+        costs = {}
+        for name, renderer in (("full", plain), ("pieces", cached)):
+            start = time.process_time()
+            for i in range(20):
+                messages[-1]["content"] = f"next {i}?"
+                ids = renderer.render_ids(messages, tools)
+            costs[name] = (time.process_time() - start) / 20 * 1e3
+            assert ids == plain.render_ids(messages, tools)
+        chars = sum(len(m["content"]) for m in messages)
+        print(
+            f"  {turns:3d} turns {chars:6d} chars: full {costs['full']:6.2f} ms   "
+            f"piece cache {costs['pieces']:6.2f} ms"
+        )
 
 
 def main() -> None:
@@ -271,19 +330,31 @@ def main() -> None:
     parser.add_argument(
         "--serial-requests", type=int, default=150, help="requests of the 1-client comparison"
     )
+    parser.add_argument(
+        "--instant-engine",
+        action="store_true",
+        help="a stand-in engine that answers at once: measures the gateway's own cost",
+    )
+    parser.add_argument(
+        "--render-only", action="store_true", help="only the prompt-rendering comparison"
+    )
     parser.add_argument("--engine-url", help="use a running engine (with --gateway-url)")
     parser.add_argument("--gateway-url", help="use a running gateway (with --engine-url)")
     args = parser.parse_args()
+    if args.render_only:
+        render_costs()
+        return
     if args.engine_url and args.gateway_url:
         asyncio.run(run(args, args.engine_url, args.gateway_url))
         return
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         stack = Stack(Path(tmp))
         try:
-            engine_url, gateway_url = stack.start()
+            engine_url, gateway_url = stack.start(instant=args.instant_engine)
             asyncio.run(run(args, engine_url, gateway_url, stack))
         finally:
             stack.stop()
+    render_costs()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ exactly what was served.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -48,12 +51,67 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**message, "content": content_text(message.get("content"))} for message in messages]
 
 
+class SegmentEncoder:
+    """Tokenises text piece by piece between added tokens (`<|im_start|>`, `<|im_end|>`, ...),
+    remembering the ids of recent pieces. A fast tokenizer splits text at its added tokens
+    before anything else, so the ids are those of encoding the whole text; a conversation's
+    next prompt then only tokenises its new messages (its earlier ones, the system prompt and
+    the tool schemas are pieces seen before). Thread-safe (renders also run in a worker)."""
+
+    def __init__(self, backend: Any, max_pieces: int = 8192) -> None:
+        tokens = backend.get_added_tokens_decoder()
+        self._backend = backend
+        self._special = {token.content: token_id for token_id, token in tokens.items()}
+        pattern = "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True))
+        self._split = re.compile(f"({pattern})")
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._max_pieces = max_pieces
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> SegmentEncoder | None:
+        """An encoder when piecewise encoding is exact for this tokenizer, else None: every
+        added token must match verbatim (no normalisation, no stripping of neighbours)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        tokens = backend.get_added_tokens_decoder().values()
+        if not tokens or any(
+            t.normalized or t.lstrip or t.rstrip or t.single_word or not t.content for t in tokens
+        ):
+            return None
+        return cls(backend)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._special.get(piece)
+            if special is not None:
+                ids.append(special)
+                continue
+            with self._lock:
+                known = self._pieces.get(piece)
+                if known is not None:
+                    self._pieces.move_to_end(piece)
+            if known is None:
+                known = self._backend.encode(piece, add_special_tokens=False).ids
+                with self._lock:
+                    self._pieces[piece] = known
+                    if len(self._pieces) > self._max_pieces:
+                        self._pieces.popitem(last=False)
+            ids.extend(known)
+        return ids
+
+
 @dataclass(frozen=True)
 class ChatRenderer:
     """Renders chat messages (+ tools) to prompt ids with one tokenizer and one template."""
 
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     template: str
+    segments: SegmentEncoder | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, template_path: Path | None = None) -> ChatRenderer:
@@ -65,7 +123,7 @@ class ChatRenderer:
             template = tokenizer.chat_template
         else:
             template = builtin_template()
-        return cls(tokenizer=tokenizer, template=template)
+        return cls(tokenizer, template, SegmentEncoder.for_tokenizer(tokenizer))
 
     @classmethod
     def from_settings(cls, settings: ModelSettings) -> ChatRenderer:
@@ -103,6 +161,8 @@ class ChatRenderer:
     ) -> list[int]:
         """Prompt token ids. The template already writes special tokens, so none are added."""
         text = self.render_text(messages, tools, add_generation_prompt)
+        if self.segments is not None:
+            return self.segments.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
