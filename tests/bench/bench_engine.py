@@ -57,7 +57,7 @@ def start_engine(model: str, port: int, log_path: Path, *extra: str) -> subproce
     ]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # a loaded host loads slowly
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited ({proc.returncode}); see {log_path}")

@@ -1,5 +1,7 @@
 """The SGLang command built from clawrl settings (flag names are SGLang's ServerArgs)."""
 
+import json
+
 import pytest
 
 from clawrl.common.settings import ModelSettings
@@ -136,3 +138,21 @@ def test_a_flag_the_backend_cannot_use_is_an_error():
         load_settings(parse_args(["--backend", "sglang", "--torch-threads", "2"]))
     with pytest.raises(SystemExit, match="--tp-size has no effect with --backend cpu"):
         load_settings(parse_args(["--backend", "cpu", "--tp-size", "2"]))
+
+
+def test_a_context_beyond_the_model_stretches_rope_on_sglang_too(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
+    settings = EngineSettings(model=ModelSettings(path=str(tmp_path), context_length=32768))
+    argv = build_argv(settings, model=str(tmp_path))
+    assert flag(argv, "--context-length") == "32768"
+    override = json.loads(flag(argv, "--json-model-override-args"))
+    assert override == {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    }
+    assert build_env(settings, {})["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
+    within = EngineSettings(model=ModelSettings(path=str(tmp_path), context_length=4096))
+    assert "--json-model-override-args" not in build_argv(within, model=str(tmp_path))

@@ -6,6 +6,7 @@ Flag names are SGLang's `ServerArgs` fields (python/sglang/srt/server_args.py, `
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,6 +53,9 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
     context_length = sg.context_length or settings.model.context_length
     if context_length:
         argv += ["--context-length", str(context_length)]
+        rope = rope_override(model, context_length, serving.rope_scaling)
+        if rope is not None:
+            argv += ["--json-model-override-args", json.dumps({"rope_scaling": rope})]
     if sg.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(sg.mem_fraction_static)]
     for name in SCHEDULER_FLAGS:
@@ -77,9 +81,25 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
     return argv + list(sg.extra_args)
 
 
+def rope_override(model: str, context_length: int, rope_type: str) -> dict | None:
+    """RoPE scaling for a context beyond what a local model was trained on (the same stretch
+    the CPU engine applies), or None (a hub id, or a context the model already has)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    trained = json.loads(config.read_text()).get("max_position_embeddings")
+    if not trained or context_length <= trained:
+        return None
+    factor = context_length / trained
+    return {"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": trained}
+
+
 def build_env(settings: EngineSettings, base: Mapping[str, str]) -> dict[str, str]:
     """SGLang's environment: `base` plus the variables the settings imply."""
     env = dict(base)
+    if settings.sglang.context_length or settings.model.context_length:
+        # SGLang refuses a context beyond the model's config unless told it is deliberate.
+        env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
     if settings.sglang.return_original_logprob:
         # Same log-prob semantics on GPUs as on the CPU engine, so recorded turns mean one thing.
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"

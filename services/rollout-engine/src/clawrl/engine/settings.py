@@ -75,7 +75,8 @@ class EngineServerSettings(Section):
     rope_scaling: Literal["yarn", "linear"] = Field(
         "yarn",
         description="How RoPE is stretched when model.context_length is beyond what the model "
-        "was trained on (written into the served config and logged as a quality trade-off).",
+        "was trained on (written into the served config and logged as a quality trade-off; "
+        "passed to SGLang as --json-model-override-args for a local model).",
     )
     default_max_new_tokens: int = Field(
         128,
