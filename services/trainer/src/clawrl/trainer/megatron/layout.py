@@ -95,15 +95,6 @@ def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
         )
 
 
-def check_world(tp: int, pp: int, world_size: int) -> None:
-    """Refuse a TP x PP layout that does not tile the trainer's devices."""
-    if world_size % (tp * pp):
-        raise LayoutError(
-            f"tensor x pipeline parallel size {tp}x{pp} does not divide the trainer's "
-            f"{world_size} devices"
-        )
-
-
 def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
     """RoPE inverse frequencies exactly as transformers computes them: [head_dim // 2]."""
     params = dict(getattr(config, "rope_parameters", None) or {})
