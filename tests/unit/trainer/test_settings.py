@@ -1,0 +1,29 @@
+"""The trainer's settings: the skeleton's names reach the pure functions' configs, the
+environment overrides, and a misspelt key or an impossible value fails at start-up."""
+
+import pytest
+from pydantic import ValidationError
+
+from clawrl.trainer.settings import TrainerSettings
+
+
+def test_skeleton_names_reach_the_loss_and_advantage_configs(monkeypatch) -> None:
+    monkeypatch.setenv("CLAWRL_PPO__CLIP_EPS_HIGH", "0.3")
+    monkeypatch.setenv("CLAWRL_ADVANTAGE__ESTIMATOR", "combine")
+    settings = TrainerSettings(ppo={"clip_eps": 0.1, "dual_clip_c": 3.0}, combine={"w_opd": 0.5})
+    loss = settings.ppo.loss_config()
+    assert (loss.eps_clip, loss.eps_clip_high, loss.dual_clip_c) == (0.1, 0.3, 3.0)
+    assert (loss.kl_coef, loss.entropy_coef, loss.aggregation) == (0.0, 0.0, "token-mean")
+    advantage = settings.advantage_config()
+    assert (advantage.estimator, advantage.w_rl, advantage.w_opd) == ("combine", 1.0, 0.5)
+
+
+def test_bad_values_fail_at_start() -> None:
+    with pytest.raises(ValidationError, match="clip_epsilon"):
+        TrainerSettings(ppo={"clip_epsilon": 0.2})  # misspelt
+    with pytest.raises(ValidationError, match="estimator"):
+        TrainerSettings(advantage={"estimator": "gae"})
+    with pytest.raises(ValidationError, match="dual_clip_c"):
+        TrainerSettings(ppo={"dual_clip_c": 0.5})  # must be > 1
+    with pytest.raises(ValidationError, match="rollout_batch_size"):
+        TrainerSettings(rollout={"rollout_batch_size": 0})
