@@ -144,7 +144,7 @@ class SessionStore:
         stream: str,
         maxlen: int,
         ttl_s: int,
-        dedupe_ttl_s: int = 600,
+        dedupe_ttl_s: int = 120,
     ) -> None:
         self.redis = redis
         self.prefix = prefix

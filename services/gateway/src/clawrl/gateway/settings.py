@@ -96,10 +96,11 @@ class SessionSettings(Section):
         "bearer token when keys are off, and the OpenAI `user` field).",
     )
     dedupe_ttl_s: int = Field(
-        600,
+        120,
         gt=0,
         description="How long a session script's result is kept under its request id, so a "
-        "write the Redis client retries after a timeout is recognised and not applied twice.",
+        "write the Redis client retries after a timeout is recognised and not applied twice "
+        "(retries come within seconds; each main request keeps two such keys this long).",
     )
 
 
