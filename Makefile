@@ -13,8 +13,13 @@ $(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 	bash scripts/setup.sh
 	touch $(STAMP)
 
-run: setup  ## the whole system locally on CPU
-	$(PY) deploy/local/stack.py
+# The judge's reward in make run: the simulator's arithmetic check, so the loop visibly learns
+# from `clawrl simulate`; RUN_REWARD_FN= leaves the judge to clawrl.toml ([judging]).
+RUN_REWARD_FN ?= clawrl.judge.reward_examples:arithmetic_confirmed
+RUN_ARGS ?=
+
+run: setup  ## the whole learning loop locally on CPU (flags: RUN_ARGS="--help")
+	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
 
 test: setup  ## every test but the gpu ones
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
@@ -44,6 +49,8 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_judge.py
 	$(PY) tests/bench/bench_trainer.py
 	$(PY) tests/bench/bench_megatron.py
+	$(PY) tests/bench/bench_weight_sync.py
+	$(PY) tests/bench/bench_learning.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,14 +1,18 @@
-"""`make run`: the whole clawrl system on one machine, on CPU, as local processes.
+"""`make run`: the whole clawrl learning loop on one machine, on CPU, as local processes.
 
 Same code paths and protocols as on Kubernetes: a real Redis, the CPU engine serving SGLang's
-API for the policy (and a second one for the judge), and the gateway in front. Services of
-issues not built yet are simply not started. Ctrl-C stops everything; if any process dies, the
-rest are stopped and the exit code says so.
+API for the policy (and a second one for the judge), the gateway in front, the judge turning
+finished turns into samples, the trainer taking steps and announcing versions, and the
+weight-sync launcher running one sync job (a local process instead of a Kubernetes Job) per new
+version. Each process logs to <run-dir>/logs/<name>.log; the terminal shows a live status line
+(turns, samples waiting, steps, reward mean, policy version, last pause). Ctrl-C stops
+everything; if any process dies, the rest are stopped and the exit code says so.
 
 Default ports (each has a flag, see --help):
   gateway   http://localhost:30000/v1  (GatewayControl gRPC on 30001)
   policy    http://localhost:30010     (SGLang API)
-  judge     http://localhost:30011     (SGLang API)
+  judge     http://localhost:30011     (SGLang API; the judge service on 30020, /metrics 30021)
+  trainer   /metrics on 30030; weight-sync launcher /metrics on 30031
   redis     redis://localhost:6390
   prometheus http://localhost:30090    (when the `prometheus` binary is installed)
 """
@@ -27,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 import prometheus_local
+import redis
+import status
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -47,23 +53,36 @@ def http_ok(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
         self.redis_url = redis_url
+        self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str], ready, timeout_s: float = 180) -> None:
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name.replace(' ', '-')}.log"
+
+    def start(
+        self, name: str, argv: list[str], ready, timeout_s: float = 300, env: dict | None = None
+    ) -> None:
         print(f"==> starting {name}: {' '.join(argv)}", flush=True)
-        env = {**os.environ, "CLAWRL_REDIS__URL": self.redis_url}
-        proc = subprocess.Popen(argv, env=env)
+        environment = {**os.environ, "CLAWRL_REDIS__URL": self.redis_url, **(env or {})}
+        log = self.log_path(name).open("ab")
+        proc = subprocess.Popen(argv, env=environment, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((name, proc))
         deadline = time.monotonic() + timeout_s
         while not ready():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} while starting")
+                raise RuntimeError(
+                    f"{name} exited with code {proc.returncode} while starting:\n{self.tail(name)}"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not ready after {timeout_s:.0f}s")
+                raise RuntimeError(f"{name} not ready after {timeout_s:.0f}s:\n{self.tail(name)}")
             time.sleep(0.2)
-        print(f"==> {name} ready", flush=True)
+        print(f"==> {name} ready (log: {self.log_path(name)})", flush=True)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        text = self.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"    {line}" for line in text)
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
@@ -71,17 +90,24 @@ class Stack:
                 proc.terminate()
         for _, proc in reversed(self.procs):
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def wait(self) -> int:
-        """Block until one process exits; returns its exit code."""
+    def wait(self, show_status, interval_s: float) -> int:
+        """Show the status every interval until one process exits; returns its exit code."""
+        live = sys.stdout.isatty()
+        next_status = time.monotonic()
         while True:
             for name, proc in self.procs:
                 if proc.poll() is not None:
-                    print(f"==> {name} exited with code {proc.returncode}", flush=True)
+                    print(f"\n==> {name} exited with code {proc.returncode}:\n{self.tail(name)}")
                     return proc.returncode or 1
+            if time.monotonic() >= next_status:
+                line = show_status()
+                # On a terminal one line redrawn in place; in a log one line per interval.
+                print(f"\r\033[K{line}" if live else line, end="" if live else "\n", flush=True)
+                next_status = time.monotonic() + interval_s
             time.sleep(0.5)
 
 
@@ -97,6 +123,36 @@ def engine_argv(model: str, port: int) -> list[str]:
     ]
 
 
+def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> None:
+    """The judge, the trainer and the weight-sync launcher: the loop around serving."""
+    # Mode and reward come from clawrl.toml ([judging], see README "The judge") unless given.
+    judge = ["--mode", "rl", "--reward-fn", args.reward_fn] if args.reward_fn else []
+    stack.start(
+        "judge",
+        [str(BIN / "clawrl-judge"), "run", "--redis-url", redis_url, *judge,
+         "--engine-url", f"http://127.0.0.1:{args.judge_port}", "--model", args.policy_model,
+         "--judge-model", args.judge_model, "--grpc-port", str(args.judge_grpc_port),
+         "--metrics-port", str(args.judge_metrics_port)],
+        lambda: http_ok(f"http://127.0.0.1:{args.judge_metrics_port}/healthz"),
+    )  # fmt: skip
+    stack.start(
+        "trainer",
+        [str(BIN / "clawrl-trainer"), "--model", args.policy_model, "--redis-url", redis_url,
+         "--checkpoint-dir", str(args.run_dir / "checkpoints"),
+         "--batch-size", str(args.batch_size), "--sync-interval", str(args.sync_interval),
+         "--metrics-port", str(args.trainer_metrics_port)],
+        lambda: http_ok(f"http://127.0.0.1:{args.trainer_metrics_port}/metrics"),
+    )  # fmt: skip
+    stack.start(
+        "weight sync",
+        [sys.executable, "-m", "clawrl.trainer.weight_sync.main", "--redis-url", redis_url,
+         "--gateways", f"127.0.0.1:{args.grpc_port}",
+         "--engines", f"http://127.0.0.1:{args.policy_port}",
+         "watch", "--mode", "local", "--metrics-port", str(args.sync_metrics_port)],
+        lambda: http_ok(f"http://127.0.0.1:{args.sync_metrics_port}/metrics"),
+    )  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run the clawrl stack locally on CPU.")
     parser.add_argument("--policy-model", default="SmolLM2-135M-Instruct")
@@ -109,7 +165,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prometheus-port", type=int, default=30090)
     parser.add_argument("--judge-grpc-port", type=int, default=30020, help="Judge gRPC (Score)")
     parser.add_argument("--judge-metrics-port", type=int, default=30021, help="judge /metrics")
-    parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, etc.")
+    parser.add_argument("--trainer-metrics-port", type=int, default=30030, help="trainer /metrics")
+    parser.add_argument(
+        "--sync-metrics-port", type=int, default=30031, help="weight-sync launcher /metrics"
+    )
+    parser.add_argument(
+        "--reward-fn",
+        help="rl mode with this reward plug-in (module:function), e.g. "
+        "clawrl.judge.reward_examples:arithmetic_confirmed for `clawrl simulate`; unset: the "
+        "judge's mode and reward from clawrl.toml ([judging])",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="trainable samples per trainer step"
+    )
+    parser.add_argument(
+        "--sync-interval", type=int, default=1, help="steps between policy versions (syncs)"
+    )
+    parser.add_argument("--status-interval", type=float, default=5.0, help="seconds")
+    parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, logs...")
     return parser.parse_args(argv)
 
 
@@ -124,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prometheus_port,
         args.judge_grpc_port,
         args.judge_metrics_port,
+        args.trainer_metrics_port,
+        args.sync_metrics_port,
     )
     for port in ports:
         if port_open(port):
@@ -132,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
     (args.run_dir / "redis").mkdir(parents=True, exist_ok=True)
+    (args.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     redis_url = f"redis://localhost:{args.redis_port}/0"
-    stack = Stack(redis_url)
+    stack = Stack(redis_url, args.run_dir / "logs")
     # SIGTERM (from a supervisor or a test) stops the stack like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -183,21 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             ],
             lambda: http_ok(f"http://127.0.0.1:{args.gateway_port}/readyz"),
         )
-        # Mode and reward come from clawrl.toml ([judging]); see README "The judge".
-        stack.start(
-            "judge",
-            [str(BIN / "clawrl-judge"), "--redis-url", redis_url, "--model", args.policy_model,
-             "--judge-model", args.judge_model, "--engine-url",
-             f"http://127.0.0.1:{args.judge_port}", "--grpc-port", str(args.judge_grpc_port),
-             "--metrics-port", str(args.judge_metrics_port)],
-            lambda: http_ok(f"http://127.0.0.1:{args.judge_metrics_port}/healthz"),
-        )  # fmt: skip
+        start_learning(stack, args, redis_url)
         if shutil.which("prometheus"):
             scraped = {
                 "gateway": args.gateway_port,
                 "policy-engine": args.policy_port,
                 "judge-engine": args.judge_port,
                 "judge": args.judge_metrics_port,
+                "trainer": args.trainer_metrics_port,
             }
             stack.start(
                 "prometheus",
@@ -210,16 +279,24 @@ def main(argv: list[str] | None = None) -> int:
             f"  curl -s {gateway}/v1/chat/completions -H 'X-Session-Id: demo' "
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
-            f"Metrics: http://localhost:{args.prometheus_port} (Prometheus, when installed).\n"
-            f"Finished turns land on clawrl:turns, judged samples on clawrl:samples "
-            f"(redis-cli -p {args.redis_port} XLEN clawrl:samples).\nCtrl-C stops everything.\n",
+            f"or let the simulated user talk (in another terminal):\n"
+            f"  {sys.executable} -m clawrl.simulate.main simulate --base-url {gateway}/v1 "
+            f"--redis-url {redis_url} --sessions 0\n"
+            f"Metrics: http://localhost:{args.prometheus_port} (Prometheus, when installed). "
+            f"Logs: {args.run_dir / 'logs'}. Turns land on clawrl:turns, samples on "
+            f"clawrl:samples (redis-cli -p {args.redis_port} XLEN clawrl:samples).\n"
+            f"Ctrl-C stops everything.\n",
             flush=True,
         )
-        return stack.wait()
+        client = redis.Redis.from_url(redis_url, socket_timeout=2)
+        trainer_metrics = f"http://127.0.0.1:{args.trainer_metrics_port}/metrics"
+        return stack.wait(
+            lambda: status.snapshot(client, trainer_metrics).line(), args.status_interval
+        )
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
-        print(f"==> {exc}", file=sys.stderr)
+        print(f"\n==> {exc}", file=sys.stderr)
         return 1
     finally:
         stack.stop()

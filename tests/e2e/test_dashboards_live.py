@@ -29,7 +29,7 @@ BUSY = ("serving", "engines")  # the services the local stack runs and this test
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> dict[str, int]:
     names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grpc",
-             "judge-metrics")  # fmt: skip
+             "judge-metrics", "trainer-metrics", "sync-metrics")  # fmt: skip
     ports = {name: free_port() for name in names}
     run_dir: Path = tmp_path_factory.mktemp("stack")
     log = (run_dir / "stack.log").open("wb")

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> dict[str, int]:
     names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge_grpc",
-             "judge_metrics")  # fmt: skip
+             "judge_metrics", "trainer_metrics", "sync_metrics")  # fmt: skip
     ports = {name: free_port() for name in names}
     run_dir: Path = tmp_path_factory.mktemp("stack")
     log = (run_dir / "stack.log").open("wb")
@@ -35,7 +35,9 @@ def stack(tmp_path_factory) -> dict[str, int]:
          "--policy-port", str(ports["policy"]), "--judge-port", str(ports["judge"]),
          "--redis-port", str(ports["redis"]), "--prometheus-port", str(ports["prometheus"]),
          "--run-dir", str(run_dir), "--judge-grpc-port", str(ports["judge_grpc"]),
-         "--judge-metrics-port", str(ports["judge_metrics"])],
+         "--judge-metrics-port", str(ports["judge_metrics"]),
+         "--trainer-metrics-port", str(ports["trainer_metrics"]),
+         "--sync-metrics-port", str(ports["sync_metrics"])],
         stdout=log, stderr=subprocess.STDOUT,
         # Short votes: the tiny judge model's text is noise, only the mechanics are tested.
         env={**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",

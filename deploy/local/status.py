@@ -1,0 +1,83 @@
+"""The live status line of `make run`: how far the learning loop has turned, read from where the
+loop keeps it (the Redis streams and the trainer's /metrics), so it shows the same truth a
+cluster's dashboards do."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import redis
+
+from clawrl.common.proto.records_pb2 import Sample
+from clawrl.common.records import RecordError, decode_entry
+from clawrl.trainer.weight_sync.job import SyncResult
+
+REWARD_WINDOW = 32  # trainable samples the reward mean is taken over
+
+
+@dataclass
+class Snapshot:
+    turns: int = 0
+    samples_waiting: int = 0
+    steps: int = 0
+    reward_mean: float | None = None
+    policy_version: int = 0
+    last_sync: SyncResult | None = None
+
+    def line(self) -> str:
+        reward = f"{self.reward_mean:+.2f}" if self.reward_mean is not None else "-"
+        text = (
+            f"turns {self.turns} | samples waiting {self.samples_waiting} | steps {self.steps} | "
+            f"reward mean (last {REWARD_WINDOW}) {reward} | policy v{self.policy_version}"
+        )
+        sync = self.last_sync
+        if sync is not None:
+            ago = time.time() - sync.finished_at
+            text += (
+                f" | last sync v{sync.version} {sync.outcome}, pause {sync.pause_s:.2f}s "
+                f"(load {sync.load_s:.2f}s) {ago:.0f}s ago"
+            )
+        return text
+
+
+def trainer_step(metrics_url: str) -> int:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=1) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("clawrl_trainer_step "):
+                    return int(float(line.split()[1]))
+    except OSError:
+        pass
+    return 0
+
+
+def snapshot(client: redis.Redis, trainer_metrics_url: str) -> Snapshot:
+    """Where the loop stands now; parts that cannot be read yet keep their zero value."""
+    state = Snapshot(steps=trainer_step(trainer_metrics_url))
+    state.turns = client.xlen("clawrl:turns")
+    try:
+        groups = client.xinfo_groups("clawrl:samples")
+    except redis.ResponseError:  # no samples yet
+        groups = []
+    lags = [g.get("lag") for g in groups if g.get("name") in (b"trainers", "trainers")]
+    state.samples_waiting = int(lags[0] or 0) if lags else client.xlen("clawrl:samples")
+    rewards = []
+    for _, fields in client.xrevrange("clawrl:samples", count=4 * REWARD_WINDOW):
+        try:
+            sample = decode_entry(fields, Sample)
+        except RecordError:
+            continue
+        if any(sample.loss_mask):
+            rewards.append(sample.reward)
+        if len(rewards) == REWARD_WINDOW:
+            break
+    state.reward_mean = sum(rewards) / len(rewards) if rewards else None
+    for _, fields in client.xrevrange("clawrl:weight-syncs", count=100):
+        result = SyncResult.from_fields(fields)
+        state.last_sync = state.last_sync or result
+        if result.outcome in ("ok", "skipped"):
+            state.policy_version = result.version
+            break
+    return state

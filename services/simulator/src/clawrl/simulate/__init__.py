@@ -1,0 +1,1 @@
+"""clawrl.simulate: a scripted user for the gateway (`clawrl simulate`)."""

@@ -1,0 +1,293 @@
+"""One weight sync: Pause every gateway (a lease renewed while the job works) -> every policy
+engine loads version N from disk -> Resume every gateway with policy_version=N.
+
+Failure rules: any failure resumes the gateways on the version they had (Resume 0) and the job
+exits non-zero with the reason; engines that loaded N while another failed are rolled back to
+what they served before, so every replica ends on one version (if a rollback fails too, the
+outcome is `inconsistent`). A job killed outright leaves its pause to the gateways' lease and
+its lock to the lock's TTL. Two syncs never run at once: a Redis lock with a TTL, renewed
+with the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, fields
+
+from redis.asyncio import Redis
+from redis.exceptions import LockError
+
+from clawrl.common.logs import log_context
+from clawrl.common.versions import VersionReady
+from clawrl.trainer.weight_sync.replicas import (
+    Engine,
+    EngineWeights,
+    Gateway,
+    ReplicaError,
+    engine_urls,
+    gateway_addresses,
+)
+from clawrl.trainer.weight_sync.settings import WeightSyncSettings
+
+log = logging.getLogger(__name__)
+
+# Exit codes of `clawrl-weight-sync run`, by outcome.
+EXIT_CODES = {"ok": 0, "skipped": 0, "failed": 1, "busy": 2, "inconsistent": 3}
+
+
+@dataclass
+class SyncResult:
+    """What one sync did; published on the results stream and logged in one line."""
+
+    version: int
+    outcome: str  # ok | skipped | failed | busy | inconsistent
+    reason: str = ""
+    pause_s: float = 0.0  # user-visible: first Pause sent -> last Resume answered
+    drain_s: float = 0.0  # of which waiting for in-flight generations
+    load_s: float = 0.0  # slowest engine's /update_weights_from_disk
+    gateways: int = 0
+    engines: int = 0
+    renewal_failures: int = 0
+    job_id: str = ""
+    finished_at: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.outcome, 1)
+
+    def fields(self) -> dict[str, str]:
+        return {key: str(value) for key, value in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, entry: dict[bytes | str, bytes | str]) -> SyncResult:
+        text = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in entry.items()
+        }
+        known = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for key, value in text.items():
+            kind = known.get(key)
+            if kind is not None:
+                values[key] = {"int": int, "float": float}.get(str(kind), str)(value)
+        return cls(**values)
+
+    def summary(self) -> str:
+        return (
+            f"weight sync to v{self.version}: {self.outcome}"
+            + (f" ({self.reason})" if self.reason else "")
+            + f"; pause {self.pause_s:.3f}s (drain {self.drain_s:.3f}s, load {self.load_s:.3f}s)"
+            f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
+        )
+
+
+async def rollback_path(redis: Redis, stream: str, served: EngineWeights) -> str:
+    """Where the weights an engine serves now can be reloaded from: the announcement of its
+    version, else the path it reports (its initial model)."""
+    if served.version.isdigit():
+        for _, entry in await redis.xrevrange(stream, count=1000):
+            ready = VersionReady.from_fields(entry)
+            if str(ready.version) == served.version:
+                return ready.path
+    return served.path
+
+
+async def gather_errors(calls: list[Awaitable[object]]) -> list[str]:
+    """Run the calls at once; the messages of those that raised ReplicaError."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = []
+    for result in results:
+        if isinstance(result, ReplicaError):
+            errors.append(str(result))
+        elif isinstance(result, BaseException):
+            raise result
+    return errors
+
+
+class WeightSync:
+    """The steps of one sync over already-connected replicas."""
+
+    def __init__(
+        self,
+        settings: WeightSyncSettings,
+        redis: Redis,
+        gateways: list[Gateway],
+        engines: list[Engine],
+        *,
+        renew: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.gateways = gateways
+        self.engines = engines
+        self.extra_renewal = renew
+        self.renewal_failures = 0
+
+    async def run(self, ready: VersionReady, result: SyncResult) -> None:
+        """Fills `result` (outcome, reason, durations) as it goes."""
+        served = await asyncio.gather(*(engine.weights() for engine in self.engines))
+        if all(weights.version == str(ready.version) for weights in served):
+            result.outcome, result.reason = (
+                "skipped",
+                f"every engine already serves v{ready.version}",
+            )
+            return
+        reason = f"weight sync to v{ready.version}"
+        resume_version: int | None = None
+        started = time.monotonic()
+        renewals: asyncio.Task | None = None
+        try:
+            # Renewals start with the pause: draining may outlast one lease.
+            renewals = asyncio.create_task(self._renew_forever(reason), name="lease-renewal")
+            drain = self.settings.gateways.drain_timeout_s
+            errors = await gather_errors([g.pause(reason, drain) for g in self.gateways])
+            result.drain_s = time.monotonic() - started
+            if errors:
+                raise ReplicaError("; ".join(errors))
+            resume_version = await self._load(ready, served, result)
+        except ReplicaError as exc:
+            result.outcome, result.reason = result.outcome or "failed", str(exc)
+        finally:
+            if renewals is not None:
+                renewals.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewals
+            # Every gateway, paused or not: Resume is idempotent, and a gateway whose Pause
+            # answer was lost may be paused all the same.
+            errors = await gather_errors([g.resume(resume_version) for g in self.gateways])
+            result.pause_s = time.monotonic() - started
+            result.renewal_failures = self.renewal_failures
+            if errors:
+                # Their leases end the pause anyway; the version they serve is not lost, since
+                # every turn records the engine's own weight_version.
+                log.error("resume failed (the pause lease will end it): %s", "; ".join(errors))
+                if result.outcome == "ok":
+                    result.outcome, result.reason = "failed", "; ".join(errors)
+
+    async def _load(
+        self, ready: VersionReady, served: list[EngineWeights], result: SyncResult
+    ) -> int | None:
+        """Every engine loads N; the version to resume with (None: keep the old one)."""
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(engine.load(ready.path, str(ready.version)) for engine in self.engines),
+            return_exceptions=True,
+        )
+        result.load_s = time.monotonic() - started
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        for outcome in failed:
+            if not isinstance(outcome, ReplicaError):
+                raise outcome
+        if not failed:
+            result.outcome = "ok"
+            return ready.version
+        updated = [
+            (engine, weights)
+            for engine, weights, outcome in zip(self.engines, served, outcomes, strict=True)
+            if not isinstance(outcome, BaseException)
+        ]
+        reason = "; ".join(str(f) for f in failed)
+        rollback_errors = []
+        for engine, weights in updated:
+            path = await rollback_path(self.redis, self.settings.redis.versions_stream, weights)
+            log.warning("rolling %s back to %s (%s)", engine.url, weights.version, path)
+            rollback_errors += await gather_errors([engine.load(path, weights.version)])
+        if rollback_errors:
+            result.outcome = "inconsistent"
+            raise ReplicaError(f"{reason}; rollback failed: {'; '.join(rollback_errors)}")
+        if updated:
+            reason += f"; rolled {len(updated)} updated engine(s) back"
+        raise ReplicaError(reason)
+
+    async def _renew_forever(self, reason: str) -> None:
+        """Renew the pause lease (and the lock) every lease_s / 3 while the sync works."""
+        while True:
+            await asyncio.sleep(self.settings.gateways.lease_s / 3)
+            # A tiny drain: the gateways drained at the first Pause; a renewal must not wait.
+            errors = await gather_errors([g.pause(reason, 0.01) for g in self.gateways])
+            for error in errors:
+                self.renewal_failures += 1
+                log.warning("lease renewal failed: %s", error)
+            if self.extra_renewal is not None:
+                await self.extra_renewal()
+
+
+async def publish(redis: Redis, settings: WeightSyncSettings, result: SyncResult) -> None:
+    await redis.xadd(settings.sync.results_stream, result.fields(), maxlen=1000, approximate=True)
+
+
+async def sync_version(
+    settings: WeightSyncSettings, redis: Redis, ready: VersionReady, job_id: str
+) -> SyncResult:
+    """One whole sync under the lock; the result is published, logged and returned (also
+    when the job is cancelled by SIGTERM: then the gateways are resumed first)."""
+    result = SyncResult(version=ready.version, outcome="", job_id=job_id)
+    lock = redis.lock(
+        settings.sync.lock_key,
+        timeout=settings.sync.lock_ttl_s,
+        blocking=False,
+        thread_local=False,
+    )
+    with log_context(policy_version=ready.version):
+        try:
+            if not await lock.acquire(token=job_id):
+                holder = await redis.get(settings.sync.lock_key)
+                result.outcome = "busy"
+                result.reason = (
+                    f"another sync holds the lock ({holder.decode() if holder else '?'})"
+                )
+                return result
+            try:
+                await _sync_locked(settings, redis, ready, lock, result)
+            finally:
+                try:
+                    await lock.release()
+                except LockError:
+                    log.warning("the sync lock expired before the sync ended")
+            return result
+        finally:
+            result.finished_at = time.time()
+            try:
+                await publish(redis, settings, result)
+            except Exception as exc:  # the log line below still has the figures
+                log.warning("cannot publish the sync result: %s", exc)
+            (log.info if result.exit_code == 0 else log.error)(
+                result.summary(),
+                extra={
+                    "pause_s": round(result.pause_s, 4),
+                    "load_s": round(result.load_s, 4),
+                    "outcome": result.outcome,
+                },
+            )
+
+
+async def _sync_locked(settings, redis, ready, lock, result: SyncResult) -> None:
+    try:
+        addresses = await gateway_addresses(settings.gateways)
+        urls = await engine_urls(settings.engines)
+    except (OSError, LookupError) as exc:
+        result.outcome, result.reason = "failed", f"cannot find the replicas: {exc}"
+        return
+    result.gateways, result.engines = len(addresses), len(urls)
+    gateways = [Gateway(a, settings.gateways, holder=result.job_id) for a in addresses]
+    engines = [Engine(u, settings.engines) for u in urls]
+
+    async def renew_lock() -> None:
+        with contextlib.suppress(LockError):
+            await lock.extend(settings.sync.lock_ttl_s, replace_ttl=True)
+
+    try:
+        await WeightSync(settings, redis, gateways, engines, renew=renew_lock).run(ready, result)
+    except ReplicaError as exc:  # before the pause: an engine did not say what it serves
+        result.outcome, result.reason = "failed", str(exc)
+    except asyncio.CancelledError:
+        if result.outcome not in ("ok", "inconsistent"):
+            result.outcome = "failed"
+            result.reason = result.reason or "terminated during the sync"
+        raise
+    finally:
+        await asyncio.gather(*(r.close() for r in [*gateways, *engines]), return_exceptions=True)

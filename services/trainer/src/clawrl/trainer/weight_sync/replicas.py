@@ -1,0 +1,128 @@
+"""The replicas a sync acts on: gateways through GatewayControl (gRPC), policy engines through
+SGLang's HTTP API. Found by settings locally, by a headless Service's DNS name on Kubernetes
+(it resolves to the address of every ready pod, so no API permission is needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from clawrl.common.proto import control_pb2, control_pb2_grpc
+from clawrl.common.sglang_client import EngineError, SGLangClient
+from clawrl.trainer.weight_sync.settings import EngineTargets, GatewayTargets
+
+log = logging.getLogger(__name__)
+
+
+async def resolve(name: str, port: int) -> list[str]:
+    """Every address `name` resolves to, as `host:port` (IPv6 in brackets), sorted."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    if not hosts:
+        raise LookupError(f"{name} resolves to no address")
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+async def gateway_addresses(targets: GatewayTargets) -> list[str]:
+    if targets.service:
+        return await resolve(targets.service, targets.port)
+    return list(targets.addresses)
+
+
+async def engine_urls(targets: EngineTargets) -> list[str]:
+    if targets.service:
+        return [f"http://{a}" for a in await resolve(targets.service, targets.port)]
+    return [url.rstrip("/") for url in targets.urls]
+
+
+class ReplicaError(Exception):
+    """A replica did not do what the sync asked; the message names it and says why."""
+
+
+class Gateway:
+    """One gateway replica's GatewayControl."""
+
+    def __init__(self, address: str, targets: GatewayTargets, holder: str) -> None:
+        self.address = address
+        self.targets = targets
+        self.holder = holder
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = control_pb2_grpc.GatewayControlStub(self._channel)
+        token = targets.token.get_secret_value() if targets.token else None
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def pause(self, reason: str, drain_timeout_s: float) -> control_pb2.PauseResponse:
+        """Pause, or renew this holder's lease; ReplicaError when the gateway refuses or is
+        unreachable."""
+        request = control_pb2.PauseRequest(
+            drain_timeout_s=drain_timeout_s,
+            reason=reason,
+            lease_s=self.targets.lease_s,
+            holder=self.holder,
+        )
+        try:
+            return await self._stub.Pause(
+                request,
+                timeout=self.targets.call_timeout_s + drain_timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaError(
+                f"gateway {self.address}: Pause failed: {exc.code().name} {exc.details()}"
+            ) from exc
+
+    async def resume(self, policy_version: int | None) -> control_pb2.ResumeResponse:
+        try:
+            return await self._stub.Resume(
+                control_pb2.ResumeRequest(policy_version=policy_version or 0),
+                timeout=self.targets.call_timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaError(
+                f"gateway {self.address}: Resume failed: {exc.code().name} {exc.details()}"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class EngineWeights:
+    """What an engine serves: its weight_version and where those weights are."""
+
+    version: str
+    path: str
+
+
+class Engine:
+    """One policy engine replica's SGLang API."""
+
+    def __init__(self, url: str, targets: EngineTargets) -> None:
+        self.url = url
+        self._client = SGLangClient(url, timeout_s=targets.load_timeout_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def weights(self) -> EngineWeights:
+        try:
+            info = await self._client.get_model_info()
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: /get_model_info failed: {exc}") from exc
+        return EngineWeights(str(info.get("weight_version")), str(info.get("model_path")))
+
+    async def load(self, path: str, version: str) -> None:
+        """/update_weights_from_disk; ReplicaError with the engine's message when it fails."""
+        try:
+            reply = await self._client.update_weights_from_disk(path, weight_version=version)
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: weight update failed: {exc}") from exc
+        if not reply.get("success"):
+            raise ReplicaError(
+                f"engine {self.url}: weight update refused: {reply.get('message', 'no message')}"
+            )

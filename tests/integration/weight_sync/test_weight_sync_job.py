@@ -1,0 +1,244 @@
+"""The weight-sync job against two real gateway replicas and the CPU engine: the pause happens,
+the version changes everywhere, requests sent meanwhile all succeed; a failing update leaves
+every gateway resumed on the old version (and an engine that did load is rolled back); a job
+killed with SIGKILL after Pause leaves no gateway paused past its lease, and its lock keeps a
+second sync out until the lock's TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from clawrl.common.versions import VersionReady, announce
+from clawrl.trainer.weight_sync.job import SyncResult
+
+from .conftest import run_sync, sync_argv
+
+pytestmark = pytest.mark.integration
+
+
+def engine_weights(url: str) -> tuple[str, list[float]]:
+    """The engine's weight_version and its greedy log-probs on a fixed prompt (a fingerprint
+    of the weights it serves)."""
+    version = httpx.get(f"{url}/get_model_info", timeout=10).json()["weight_version"]
+    reply = httpx.post(
+        f"{url}/generate",
+        json={"input_ids": [1, 2, 3, 4, 5], "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        timeout=60,
+    ).json()  # fmt: skip
+    return version, [round(lp, 4) for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+
+
+def announce_version(redis_url: str, stream: str, version: int, path) -> None:
+    async def go():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        await announce(client, stream, VersionReady(version, str(path), version, time.time()))
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def results(redis_url: str, stream: str) -> list[SyncResult]:
+    client = redis.Redis.from_url(redis_url)
+    return [SyncResult.from_fields(fields) for _, fields in client.xrange(stream)]
+
+
+class Load:
+    """Clients sending requests to every replica until stopped; every answer is kept."""
+
+    def __init__(self, replicas, clients_per_replica: int = 2):
+        self.stop = threading.Event()
+        self.answers: list[tuple[int, str]] = []
+        self.threads = [
+            threading.Thread(target=self._loop, args=(r,))
+            for r in replicas
+            for _ in range(clients_per_replica)
+        ]
+
+    def _loop(self, replica):
+        while not self.stop.is_set():
+            reply = replica.chat("hello")
+            body = reply.json()
+            self.answers.append((reply.status_code, body.get("system_fingerprint", str(body))))
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+class PauseWatcher(threading.Thread):
+    """Polls GetStatus of every replica; records the holders of the pauses it saw."""
+
+    def __init__(self, replicas):
+        super().__init__(daemon=True)
+        self.replicas = replicas
+        self.holders: dict[str, set[str]] = {r.name: set() for r in replicas}
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            for replica in self.replicas:
+                status = replica.status()
+                if status.paused:
+                    self.holders[replica.name].add(status.holder)
+            time.sleep(0.005)
+
+
+def test_sync_pauses_loads_everywhere_and_resumes_with_the_new_version(
+    replicas, engine, checkpoints, sync_env, redis_url
+):
+    before_version, before = engine_weights(engine)
+    # Known gateway issue (reported, not this test's subject): the first request after the
+    # gateway sat idle longer than the engine's keep-alive can fail on a stale connection.
+    for replica in replicas:
+        replica.chat("warm up")
+    announce_version(redis_url, sync_env["CLAWRL_REDIS__VERSIONS_STREAM"], 1, checkpoints["v1"])
+    watcher = PauseWatcher(replicas)
+    watcher.start()
+    with Load(replicas) as load:
+        time.sleep(1.0)  # traffic flowing before the sync
+        done = run_sync(sync_env, replicas, [engine], "run", "--version", "1", "--path",
+                        str(checkpoints["v1"]), "--job-id", "job-ok")  # fmt: skip
+        time.sleep(1.0)  # and after it
+    watcher.done.set()
+    watcher.join()
+    assert done.returncode == 0, done.stderr
+    # The pause happened on both replicas, held by this job.
+    assert watcher.holders == {"sync-a": {"job-ok"}, "sync-b": {"job-ok"}}
+    # The version changed everywhere: both gateways and the engine, whose outputs changed.
+    for replica in replicas:
+        status = replica.status()
+        assert (status.paused, status.policy_version, status.holder) == (False, 1, "")
+        after = replica.chat("hi")
+        assert after.json()["system_fingerprint"] == "clawrl-policy-v1"
+    version, logprobs = engine_weights(engine)
+    assert (before_version, version) == ("0", "1")
+    assert logprobs != before
+    # Every request sent during the sync succeeded; later ones carry v1.
+    assert load.answers and all(code == 200 for code, _ in load.answers)
+    assert load.answers[-1][1] == "clawrl-policy-v1"
+    [result] = results(redis_url, sync_env["CLAWRL_SYNC__RESULTS_STREAM"])
+    assert (result.version, result.outcome, result.gateways, result.engines) == (1, "ok", 2, 1)
+    assert 0 < result.load_s <= result.pause_s
+    assert "weight sync to v1: ok" in done.stderr and "pause " in done.stderr
+    # Again: the engines already serve v1, nothing is paused.
+    again = run_sync(sync_env, replicas, [engine], "run", "--version", "1", "--path",
+                     str(checkpoints["v1"]))  # fmt: skip
+    assert again.returncode == 0
+    assert results(redis_url, sync_env["CLAWRL_SYNC__RESULTS_STREAM"])[-1].outcome == "skipped"
+
+
+def test_failing_update_resumes_every_gateway_on_the_old_version(
+    replicas, engine, tmp_path, sync_env, redis_url
+):
+    versions = [r.status().policy_version for r in replicas]
+    served = engine_weights(engine)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    with Load(replicas, clients_per_replica=1) as load:
+        done = run_sync(sync_env, replicas, [engine], "run", "--version", "7", "--path",
+                        str(broken))  # fmt: skip
+    assert done.returncode == 1
+    assert "weight sync to v7: failed" in done.stderr and str(broken) in done.stderr
+    for replica, version in zip(replicas, versions, strict=True):
+        status = replica.status()
+        assert (status.paused, status.policy_version) == (False, version)
+    assert engine_weights(engine) == served
+    assert all(code == 200 for code, _ in load.answers)
+    [result] = results(redis_url, sync_env["CLAWRL_SYNC__RESULTS_STREAM"])
+    assert result.outcome == "failed" and "cannot load weights" in result.reason
+
+
+def test_an_engine_that_loaded_is_rolled_back_when_another_fails(
+    replicas, engine, one_layer_engine, checkpoints, sync_env, redis_url
+):
+    versions = [r.status().policy_version for r in replicas]
+    served = engine_weights(engine)
+    # As the trainer would have: the version the engine serves was announced with its path
+    # (version 0 is the engine's initial model, which it reports itself).
+    if served[0] != "0":
+        stream = sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]
+        announce_version(redis_url, stream, int(served[0]), checkpoints[f"v{served[0]}"])
+    done = run_sync(sync_env, replicas, [engine, one_layer_engine],
+                    "run", "--version", "2", "--path", str(checkpoints["v2"]))  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    [result] = results(redis_url, sync_env["CLAWRL_SYNC__RESULTS_STREAM"])
+    assert result.outcome == "failed"
+    assert "unknown tensors" in result.reason and "rolled 1 updated engine(s) back" in result.reason
+    # The engine that had loaded v2 serves its old weights again, under its old version.
+    assert engine_weights(engine) == served
+    assert [r.status().policy_version for r in replicas] == versions
+    assert not any(r.status().paused for r in replicas)
+
+
+def test_sigkill_after_pause_leaves_no_gateway_paused_past_the_lease(replicas, sync_env, tmp_path):
+    # An engine that says what it serves, then never finishes loading: the job is mid-sync.
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Hanging(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"weight_version": "0", "model_path": "/m"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            time.sleep(60)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hanging = f"http://127.0.0.1:{server.server_address[1]}"
+    lease_s = 1.5
+    env = {**sync_env, "CLAWRL_SYNC__LOCK_TTL_S": "60", "CLAWRL_GATEWAYS__LEASE_S": str(lease_s)}
+    expiries = [r.metric("clawrl_gateway_pause_lease_expiries_total") for r in replicas]
+    job_log = tmp_path / "job.log"
+    job = subprocess.Popen(
+        sync_argv(replicas, [hanging], "run", "--version", "3",
+                  "--path", "/nowhere", "--job-id", "job-killed"),
+        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=job_log.open("w"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not all(r.status().holder == "job-killed" for r in replicas):
+            assert time.monotonic() < deadline and job.poll() is None, job_log.read_text()
+            time.sleep(0.02)
+        # Renewals keep the pause past one lease while the job lives.
+        time.sleep(lease_s * 1.5)
+        assert all(r.status().paused for r in replicas)
+        job.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.wait()
+        while any(r.status().paused for r in replicas):
+            assert time.monotonic() - killed_at < lease_s + 2.0, "a gateway stayed paused"
+            time.sleep(0.02)
+        # The dead job's lock outlives it (until its TTL): a second sync is kept out.
+        busy = run_sync(env, replicas, [hanging], "run", "--version", "3", "--path", "/nowhere")
+        assert busy.returncode == 2 and "job-killed" in busy.stderr
+        for replica, before in zip(replicas, expiries, strict=True):
+            assert replica.metric("clawrl_gateway_pause_lease_expiries_total") == before + 1
+            assert replica.chat("back").status_code == 200
+    finally:
+        job.kill()
+        server.shutdown()
