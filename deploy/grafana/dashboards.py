@@ -406,6 +406,18 @@ LEARNING = [
         quantiles("clawrl_trainer_sample_latency_seconds"),
     ),
     Panel(
+        "Weight syncs",
+        "short",
+        (
+            (f"{rate('clawrl_weight_sync_syncs_total', 'outcome')} or vector(0)", "{{outcome}}/s"),
+            (quantile(0.99, "clawrl_weight_sync_pause_duration_seconds"), "pause p99 (s)"),
+            (quantile(0.99, "clawrl_weight_sync_load_duration_seconds"), "load p99 (s)"),
+            ("max(clawrl_weight_sync_announced_version)", "announced version"),
+        ),
+        "One sync per new policy version: how long the gateways were paused and the engines "
+        "loaded.",
+    ),
+    Panel(
         "Checkpoint failures",
         "short",
         (

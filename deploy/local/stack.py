@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 "judge-engine": args.judge_port,
                 "judge": args.judge_metrics_port,
                 "trainer": args.trainer_metrics_port,
+                "weight-sync": args.sync_metrics_port,
             }
             stack.start(
                 "prometheus",

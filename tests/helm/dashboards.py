@@ -13,6 +13,7 @@ from clawrl.engine.metrics import EngineMetrics
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.trainer.metrics import TrainerMetrics
+from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from tests.conftest import REPO
 
 DASHBOARDS = REPO / "helm" / "clawrl" / "dashboards"
@@ -67,7 +68,9 @@ def exported(registry: CollectorRegistry) -> set[str]:
 def known_metric_names() -> set[str]:
     """Names the services' metrics modules export, plus those SGLang documents."""
     names = set()
-    for metrics in (GatewayMetrics(), EngineMetrics("model"), JudgeMetrics(), TrainerMetrics()):
+    services = (GatewayMetrics(), EngineMetrics("model"), JudgeMetrics(), TrainerMetrics(),
+                WeightSyncMetrics())  # fmt: skip
+    for metrics in services:
         names |= exported(metrics.registry)
     documented = SGLANG_DOCUMENTED.read_text().splitlines()
     return names | {line.strip() for line in documented if line.strip() and line[0] != "#"}

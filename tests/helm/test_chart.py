@@ -23,6 +23,7 @@ from clawrl.gateway.settings import GatewaySettings
 from clawrl.judge.settings import JudgeSettings
 from clawrl.trainer.megatron.placement import plan_node
 from clawrl.trainer.settings import TrainerSettings
+from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 from tests.helm.conftest import CHART, EXAMPLE_VALUES, helm, pod_specs, render
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -353,7 +354,11 @@ SERVICE_SETTINGS = {
     ("Deployment", "clawrl-judge", "judge"): JudgeSettings,
     ("RayJob", "clawrl-trainer/head", "ray-head"): TrainerSettings,
     ("RayJob", "clawrl-trainer/gpu", "ray-worker"): TrainerSettings,
+    ("RayJob", "clawrl-trainer/head", "weight-sync-launcher"): WeightSyncSettings,
+    ("Job", "clawrl-weight-sync-", "weight-sync"): WeightSyncSettings,
+    ("CronJob", "clawrl-weight-sync", "weight-sync"): WeightSyncSettings,
 }
+MODEL_READERS = [key for key, cls in SERVICE_SETTINGS.items() if cls is not WeightSyncSettings]
 
 
 def container_env(objects: list[dict], kind: str, where: str, container: str) -> dict[str, str]:
@@ -389,7 +394,14 @@ def test_each_service_builds_its_settings_from_the_rendered_environment(
     assert sections <= set(settings_cls.model_fields), sections - set(settings_cls.model_fields)
     settings = settings_cls()
     assert settings.logging.format == "json"
-    assert str(settings.model.path).startswith("/models/")
+
+
+@pytest.mark.parametrize(("kind", "where", "container"), MODEL_READERS, ids=str)
+def test_model_readers_get_the_model_on_the_volume(
+    kind: str, where: str, container: str, default_objects: list[dict]
+) -> None:
+    env = container_env(default_objects, kind, where, container)
+    assert env["CLAWRL_MODEL__PATH"] == "/models/Qwen3-4B-Instruct-2507"
 
 
 def test_the_cpu_example_needs_no_gpu() -> None:
