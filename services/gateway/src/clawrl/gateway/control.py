@@ -24,9 +24,8 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from clawrl.common.grpc_serving import start_with_health
 from clawrl.common.proto import control_pb2, control_pb2_grpc
 from clawrl.gateway.errors import Overloaded
 from clawrl.gateway.metrics import GatewayMetrics
@@ -280,15 +279,5 @@ async def start_control_server(
     control_pb2_grpc.add_GatewayControlServicer_to_server(
         ControlServicer(gate, gateway_id=gateway_id, drain_timeout_s=drain_timeout_s), server
     )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the control gRPC server to {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound = await start_with_health(server, SERVICE, host, port)
     return server, bound

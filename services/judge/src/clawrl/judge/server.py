@@ -9,9 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from clawrl.common.grpc_serving import start_with_health
 from clawrl.common.metrics import exposition
 from clawrl.common.proto import judge_pb2, judge_pb2_grpc
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
@@ -58,17 +57,7 @@ async def start_grpc(judge: Judge, metrics: JudgeMetrics, host: str, port: int):
     """Start Judge + health + reflection; returns (server, bound port)."""
     server = grpc.aio.server()
     judge_pb2_grpc.add_JudgeServicer_to_server(JudgeServicer(judge, metrics), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the Judge gRPC server to {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound = await start_with_health(server, SERVICE, host, port)
     return server, bound
 
 
