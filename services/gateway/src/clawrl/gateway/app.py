@@ -99,6 +99,10 @@ class RequestMetrics:
     def __init__(self, app, metrics: GatewayMetrics):
         self.app = app
         self.metrics = metrics
+        # Every route's latency series exists (at zero) from the first scrape: a series born
+        # with its first request has no earlier sample, so rate() over it shows nothing.
+        for route in (*ROUTES, "other"):
+            metrics.latency.labels(route)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
