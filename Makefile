@@ -18,7 +18,7 @@ $(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 RUN_REWARD_FN ?= clawrl.judge.reward_examples:arithmetic_confirmed
 RUN_ARGS ?=
 
-run: setup  ## the whole learning loop locally on CPU (flags: RUN_ARGS="--help")
+run: setup  ## the whole learning loop locally on CPU, 16k context (flags: RUN_ARGS="--help")
 	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
 
 test: setup  ## every test but the gpu ones

@@ -110,7 +110,7 @@ class EngineFactory:
         key = (model, *extra)
         if key not in self.children:
             port = free_port()
-            name = f"engine-{model}-{port}"
+            name = f"engine-{Path(model).name}-{port}"  # a model may be a path
             child = ChildProcess(
                 name,
                 [

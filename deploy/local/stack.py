@@ -53,9 +53,10 @@ def http_ok(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self, redis_url: str, log_dir: Path) -> None:
+    def __init__(self, redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.redis_url = redis_url
         self.log_dir = log_dir
+        self.env = env or {}  # settings every process shares
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def log_path(self, name: str) -> Path:
@@ -65,7 +66,12 @@ class Stack:
         self, name: str, argv: list[str], ready, timeout_s: float = 300, env: dict | None = None
     ) -> None:
         print(f"==> starting {name}: {' '.join(argv)}", flush=True)
-        environment = {**os.environ, "CLAWRL_REDIS__URL": self.redis_url, **(env or {})}
+        environment = {
+            **os.environ,
+            "CLAWRL_REDIS__URL": self.redis_url,
+            **self.env,
+            **(env or {}),
+        }
         log = self.log_path(name).open("ab")
         proc = subprocess.Popen(argv, env=environment, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((name, proc))
@@ -181,6 +187,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sync-interval", type=int, default=1, help="steps between policy versions (syncs)"
     )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=16384,
+        help="context window of every process (engines, gateway, judge, trainer) as "
+        "CLAWRL_MODEL__CONTEXT_LENGTH: OpenClaw's first request alone is ~13k tokens; beyond "
+        "the model's trained context (SmolLM2: 8192) engines and trainer stretch RoPE alike "
+        "(model.rope_scaling, default yarn); 0: the model's own or clawrl.toml's",
+    )
     parser.add_argument("--status-interval", type=float, default=5.0, help="seconds")
     parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, logs...")
     return parser.parse_args(argv)
@@ -209,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.run_dir / "redis").mkdir(parents=True, exist_ok=True)
     (args.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     redis_url = f"redis://localhost:{args.redis_port}/0"
-    stack = Stack(redis_url, args.run_dir / "logs")
+    # One setting for all: engines and trainer must stretch RoPE alike (else PPO's ratios are
+    # off) and the gateway must admit what the engines serve.
+    shared = (
+        {"CLAWRL_MODEL__CONTEXT_LENGTH": str(args.context_length)} if args.context_length else {}
+    )
+    stack = Stack(redis_url, args.run_dir / "logs", shared)
     # SIGTERM (from a supervisor or a test) stops the stack like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -275,8 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: http_ok(f"http://127.0.0.1:{args.prometheus_port}/-/ready"),
             )
         gateway = f"http://localhost:{args.gateway_port}"
+        context = (
+            f"context {args.context_length} tokens"
+            if args.context_length
+            else "the model's own context"
+        )
         print(
-            f"\nclawrl is running. Point an OpenAI client at {gateway}/v1 (any API key), e.g.\n"
+            f"\nclawrl is running ({context}). Point an OpenAI client at {gateway}/v1 (any API "
+            f"key), e.g.\n"
             f"  curl -s {gateway}/v1/chat/completions -H 'X-Session-Id: demo' "
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'

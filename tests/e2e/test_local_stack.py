@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 from openai import OpenAI
@@ -122,3 +123,30 @@ def test_the_judge_turns_the_sessions_turns_into_samples(stack: dict[str, int]) 
     assert len(samples["j:0"].votes) == 3 and samples["j:0"].reward_source == "prm"
     assert samples["j:1"].mask_reason == MaskReason.MASK_REASON_NO_NEXT_STATE
     assert r.xpending("clawrl:turns", "judges")["pending"] == 0
+
+
+def test_a_prompt_beyond_the_models_trained_context_is_served(stack: dict[str, int]) -> None:
+    """make run serves a 16384-token context (smollm2-tiny, like SmolLM2, was trained on 8192):
+    a ~9000-token request through the gateway is answered, a longer one than 16384 is a clear
+    400, and both engines serve the same context (the judge re-reads the policy's prompts)."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{stack['gateway']}/v1", api_key="local")
+
+    def notes(n: int) -> str:
+        return " ".join(f"Note {i}: keep the logs." for i in range(n))  # ~10 tokens each
+
+    reply = client.chat.completions.create(
+        model="smollm2-tiny",
+        messages=[{"role": "user", "content": notes(850)}],
+        max_tokens=4,
+        extra_headers={"X-Session-Id": "long", "X-Session-Done": "true"},
+    )
+    assert 8192 < reply.usage.prompt_tokens < 16384
+    assert reply.usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="smollm2-tiny", messages=[{"role": "user", "content": notes(1800)}], max_tokens=4
+        )
+    assert refused.value.code == "context_length_exceeded"
+    for port in (stack["policy"], stack["judge"]):
+        info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
+        assert info["context_length"] == 16384

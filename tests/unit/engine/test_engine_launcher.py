@@ -156,3 +156,26 @@ def test_a_context_beyond_the_model_stretches_rope_on_sglang_too(tmp_path):
     assert build_env(settings, {})["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
     within = EngineSettings(model=ModelSettings(path=str(tmp_path), context_length=4096))
     assert "--json-model-override-args" not in build_argv(within, model=str(tmp_path))
+
+
+def test_an_exported_checkpoint_is_stretched_from_what_the_model_was_trained_on(tmp_path):
+    """A checkpoint the trainer exported at 16384 keeps its trained 8192 in the RoPE config:
+    serving it at 32768 stretches 4x from 8192, not 2x from 16384."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({
+            "max_position_embeddings": 16384,
+            "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e5,
+                                "original_max_position_embeddings": 8192},
+        })
+    )  # fmt: skip
+    settings = EngineSettings(
+        model=ModelSettings(path=str(tmp_path), context_length=32768, rope_scaling="linear")
+    )
+    override = json.loads(
+        flag(build_argv(settings, model=str(tmp_path)), "--json-model-override-args")
+    )
+    assert override["rope_scaling"] == {
+        "rope_type": "linear",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }

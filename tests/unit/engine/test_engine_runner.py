@@ -3,14 +3,13 @@
 import pytest
 import torch
 
-from clawrl.common.models import resolve_model_dir
+from clawrl.common.models import resolve_model_dir, stretch_config
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.cpu.runner import (
     CheckpointError,
     KvBatch,
     ModelRunner,
     layer_kv,
-    long_context_config,
     merge_kv,
     select_kv,
 )
@@ -97,12 +96,20 @@ def test_a_longer_context_scales_rope_and_says_so():
 
     config = AutoConfig.from_pretrained(resolve_model_dir(ModelSettings(path="smollm2-tiny")))
     trained = config.max_position_embeddings
-    assert long_context_config(config, trained, "yarn") is None
-    message = long_context_config(config, 4 * trained, "yarn")
+    assert stretch_config(config, None, "yarn") is None
+    assert stretch_config(config, trained, "yarn") is None
+    message = stretch_config(config, 4 * trained, "yarn")
     assert message is not None and "yarn" in message and "quality" in message
     assert config.max_position_embeddings == 4 * trained
     assert config.rope_parameters["rope_type"] == "yarn"
     assert config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["original_max_position_embeddings"] == trained
+    assert config.rope_parameters["rope_theta"] == 100000.0  # the model's base is kept
+    # A stretched config (an exported checkpoint) is stretched from what it was trained on.
+    assert stretch_config(config, 4 * trained, "yarn") is not None
+    assert config.rope_parameters["factor"] == 4.0
+    stretch_config(config, 2 * trained, "linear")
+    assert config.rope_parameters["factor"] == 2.0
     assert config.rope_parameters["original_max_position_embeddings"] == trained
 
 

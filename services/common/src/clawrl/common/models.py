@@ -5,7 +5,9 @@ the gateway only needs the tokenizer files."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from clawrl.common.settings import ModelSettings
 
@@ -51,3 +53,45 @@ def context_length(settings: ModelSettings, model_dir: Path) -> int:
         return settings.context_length
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+
+
+def trained_context(config: Mapping[str, Any]) -> int:
+    """The context a model was trained on, from its config.json: an already stretched config (a
+    checkpoint the trainer exported) keeps it as RoPE's `original_max_position_embeddings`."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, Mapping) else None
+    return int(
+        original or config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    )
+
+
+def rope_stretch(trained: int, context_length: int, rope_type: str) -> dict[str, Any] | None:
+    """RoPE parameters that stretch a model trained on `trained` tokens to `context_length`
+    (None when it needs no stretch). The same for the CPU engine, SGLang and the trainer: the
+    trainer's log-probs are only the engine's when both stretch RoPE alike."""
+    if context_length <= trained:
+        return None
+    return {
+        "rope_type": rope_type,
+        "factor": context_length / trained,
+        "original_max_position_embeddings": trained,
+    }
+
+
+def stretch_config(config: Any, context_length: int | None, rope_type: str) -> str | None:
+    """Stretch a loaded transformers config (in place) to `context_length` with RoPE scaling
+    `rope_type` when that is beyond what the model was trained on; returns the warning to log
+    (a quality trade-off), or None when nothing changed."""
+    if not context_length:
+        return None
+    trained = trained_context(config.to_dict())
+    rope = rope_stretch(trained, context_length, rope_type)
+    if rope is None:
+        return None
+    config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), **rope}
+    config.max_position_embeddings = context_length
+    return (
+        f"context length {context_length} is beyond the {trained} tokens the model was "
+        f"trained on: RoPE scaled ({rope['rope_type']}, factor {rope['factor']:.2f}); expect "
+        f"lower quality on long inputs (and outputs that differ at every length)"
+    )

@@ -61,7 +61,17 @@ class ModelSettings(Section):
         "tokenizer's template cannot render tools, clawrl's Hermes-style template is used.",
     )
     context_length: int | None = Field(
-        None, gt=0, description="Context window override; defaults to the model config's."
+        None,
+        gt=0,
+        description="Context window override; defaults to the model config's. Beyond what the "
+        "model was trained on, RoPE is stretched by `rope_scaling` in every process that runs "
+        "the model (engines and trainer), so set it once for all of them.",
+    )
+    rope_scaling: Literal["yarn", "linear"] = Field(
+        "yarn",
+        description="How RoPE is stretched when context_length is beyond what the model was "
+        "trained on (engines and the trainer apply the same stretch; logged as a quality "
+        "trade-off).",
     )
 
 

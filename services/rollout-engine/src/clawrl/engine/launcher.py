@@ -11,7 +11,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from clawrl.common.models import ModelNotFoundError, resolve_model_dir, served_model_name
+from clawrl.common.models import (
+    ModelNotFoundError,
+    resolve_model_dir,
+    rope_stretch,
+    served_model_name,
+    trained_context,
+)
 from clawrl.engine.settings import EngineSettings
 
 # [sglang] fields passed as `--flag value` when set (None: SGLang decides).
@@ -53,7 +59,7 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
     context_length = sg.context_length or settings.model.context_length
     if context_length:
         argv += ["--context-length", str(context_length)]
-        rope = rope_override(model, context_length, serving.rope_scaling)
+        rope = rope_override(model, context_length, settings.model.rope_scaling)
         if rope is not None:
             argv += ["--json-model-override-args", json.dumps({"rope_scaling": rope})]
     if sg.mem_fraction_static is not None:
@@ -83,15 +89,11 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
 
 def rope_override(model: str, context_length: int, rope_type: str) -> dict | None:
     """RoPE scaling for a context beyond what a local model was trained on (the same stretch
-    the CPU engine applies), or None (a hub id, or a context the model already has)."""
+    the CPU engine and the trainer apply), or None (a hub id, or a context the model has)."""
     config = Path(model) / "config.json"
     if not config.is_file():
         return None
-    trained = json.loads(config.read_text()).get("max_position_embeddings")
-    if not trained or context_length <= trained:
-        return None
-    factor = context_length / trained
-    return {"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": trained}
+    return rope_stretch(trained_context(json.loads(config.read_text())), context_length, rope_type)
 
 
 def build_env(settings: EngineSettings, base: Mapping[str, str]) -> dict[str, str]:

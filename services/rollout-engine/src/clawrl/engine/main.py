@@ -59,7 +59,7 @@ FLAGS = (
     Flag("--prefix-cache-tokens", "prefix-cache budget in tokens",
          cpu=("engine", "prefix_cache_tokens"), sglang=None, type=int),
     Flag("--rope-scaling", "yarn or linear, for a context beyond the model's",
-         **everywhere("engine", "rope_scaling")),
+         **everywhere("model", "rope_scaling")),
     Flag("--torch-threads", "torch intra-op threads", cpu=("engine", "torch_threads"),
          sglang=None, type=int),
     Flag("--tp-size", "tensor-parallel size", cpu=None, sglang=("sglang", "tp_size"), type=int),

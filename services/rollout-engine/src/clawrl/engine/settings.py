@@ -72,12 +72,6 @@ class EngineServerSettings(Section):
         description="Most tokens the prefix cache keeps (least recently used evicted first). "
         "SmolLM2-135M holds ~46 KB of float32 KV per token: 32768 tokens ~ 1.5 GB.",
     )
-    rope_scaling: Literal["yarn", "linear"] = Field(
-        "yarn",
-        description="How RoPE is stretched when model.context_length is beyond what the model "
-        "was trained on (written into the served config and logged as a quality trade-off; "
-        "passed to SGLang as --json-model-override-args for a local model).",
-    )
     default_max_new_tokens: int = Field(
         128,
         gt=0,

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 from typing import Any, Protocol
 
 import ray
 
+from clawrl.common.models import resolve_model_dir, rope_stretch, trained_context
 from clawrl.trainer.settings import RaySettings, TrainerSettings
 from clawrl.trainer.torch_backend import TorchBackend
 
@@ -76,9 +78,24 @@ def connect(settings: RaySettings) -> None:
         log.info("started a local Ray runtime")
 
 
+def refuse_stretched_rope(settings: TrainerSettings) -> None:
+    """The megatron backend builds RoPE from the model's own config: with a context stretched
+    beyond it (as the engines serve it) its log-probs would not be the engines', and every PPO
+    ratio would be off. Refuse at start instead."""
+    model_dir = resolve_model_dir(settings.model)
+    trained = trained_context(json.loads((model_dir / "config.json").read_text()))
+    if rope_stretch(trained, settings.model.context_length or 0, settings.model.rope_scaling):
+        raise ValueError(
+            f"train.backend=megatron does not stretch RoPE: model.context_length "
+            f"{settings.model.context_length} is beyond the {trained} tokens {model_dir} was "
+            f"trained on; use train.backend=torch or a context of at most {trained}"
+        )
+
+
 def start_backend(settings: TrainerSettings) -> BackendHandle:
     """The configured backend on its Ray actors (not loaded yet)."""
     if settings.train.backend == "megatron":
+        refuse_stretched_rope(settings)
         actors = importlib.import_module("clawrl.trainer.megatron.actors")
         return ActorGroup(actors.start_actors(settings))
     # Ray sets OMP_NUM_THREADS to the actor's CPU count (1 by default): say it explicitly.
@@ -88,4 +105,4 @@ def start_backend(settings: TrainerSettings) -> BackendHandle:
         num_gpus=settings.ray.actor_num_gpus,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
     )
-    return ActorGroup([remote.remote(settings.train, settings.ppo)])
+    return ActorGroup([remote.remote(settings.train, settings.ppo, settings.model)])

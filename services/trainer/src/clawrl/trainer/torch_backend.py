@@ -12,15 +12,18 @@ tensor instead of [b, L, V], which is most of the memory of a step at a 49k voca
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+from clawrl.common.models import stretch_config
+from clawrl.common.settings import ModelSettings
 from clawrl.trainer.backend import (
     TrainBatch,
     Which,
@@ -36,6 +39,8 @@ from clawrl.trainer.losses import (
     token_logprobs,
 )
 from clawrl.trainer.settings import PPOSettings, TrainSettings
+
+log = logging.getLogger(__name__)
 
 # Files of an HF model directory that are not weights: copied next to every export so an engine
 # can load it on its own.
@@ -67,9 +72,14 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
 class TorchBackend:
     """`backend.TrainerBackend` on HF transformers (see the module docstring)."""
 
-    def __init__(self, train: TrainSettings, ppo: PPOSettings) -> None:
+    def __init__(
+        self, train: TrainSettings, ppo: PPOSettings, model: ModelSettings | None = None
+    ) -> None:
         self.train = train
         self.ppo = ppo
+        # Only its context length and RoPE scaling: a context beyond the model's is served with
+        # stretched RoPE, and log-probs for PPO's ratios must be computed with the same stretch.
+        self.model_settings = model or ModelSettings()
         self.device = pick_device(train.device)
         self.dtype = pick_dtype(train.dtype, self.device)
         self._autocast = self.dtype != torch.float32
@@ -85,7 +95,14 @@ class TorchBackend:
     # --- loading ---------------------------------------------------------------------------------
 
     def _load_model(self, model_dir: Path):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(model_dir)
+        # The exported config keeps the stretch, so an engine loading an export serves it too.
+        stretched = stretch_config(
+            config, self.model_settings.context_length, self.model_settings.rope_scaling
+        )
+        if stretched:
+            log.warning("LONG CONTEXT: %s", stretched)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
         return model.to(self.device)
 
     def load(self, model_dir: Path, *, load_reference: bool) -> None:

@@ -61,7 +61,7 @@ class CpuEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         serving = self.settings.engine
         self.runner = ModelRunner(
-            self.model_dir, serving.dtype, self.context_length, serving.rope_scaling
+            self.model_dir, serving.dtype, self.context_length, self.settings.model.rope_scaling
         )
         if self.runner.long_context:
             log.warning("LONG CONTEXT: %s", self.runner.long_context)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from clawrl.common.models import stretch_config
 from clawrl.engine.cpu.prefix_cache import LayerKV
 from clawrl.engine.cpu.sampling import token_logprobs
 
@@ -91,25 +92,6 @@ class ExtendResult:
     cache: DynamicCache
 
 
-def long_context_config(config, context_length: int, rope_type: str) -> str | None:
-    """Stretch `config` (in place) to `context_length` with RoPE scaling when that is beyond
-    what the model was trained on; returns what was done, for the log, or None."""
-    trained = int(config.max_position_embeddings)
-    if context_length <= trained:
-        return None
-    factor = context_length / trained
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    rope.update(
-        {"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": trained}
-    )
-    config.rope_parameters = rope
-    config.max_position_embeddings = context_length
-    return (
-        f"context length {context_length} is beyond the {trained} tokens the model was trained "
-        f"on: RoPE scaled ({rope_type}, factor {factor:.2f}); expect lower quality on long inputs"
-    )
-
-
 def layer_kv(cache: DynamicCache, row: int = 0, last: int | None = None) -> LayerKV:
     """Row `row`'s keys and values per layer ([H_kv, n, D]); only the `last` n columns if set."""
     out = []
@@ -136,9 +118,7 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.dtype = getattr(torch, dtype)
         config = AutoConfig.from_pretrained(str(model_dir))
-        self.long_context = (
-            long_context_config(config, context_length, rope_scaling) if context_length else None
-        )
+        self.long_context = stretch_config(config, context_length, rope_scaling)
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), config=config, dtype=self.dtype
         )
