@@ -4,6 +4,7 @@ engine) started once per session and stopped at the end."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,10 +20,39 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_PORTS_GIVEN: set[int] = set()
+_PORT_CHOICE = random.SystemRandom()  # not the seedable module state: runs must not agree
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, never given before in this run, and below the kernel's ephemeral range.
+    A port from bind(0) is an ephemeral one: an outgoing connection of a process started in the
+    meantime could take it before the service it was meant for binds it (seen: a stack's
+    metrics port was taken while the stack's other services started)."""
+    low, high = 20000, _ephemeral_ports()[0] - 1
+    if high - low < 1000:  # an unusual ephemeral range: let the kernel choose
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    while True:
+        port = _PORT_CHOICE.randint(low, high)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc=None) -> None:
