@@ -1,8 +1,12 @@
-"""A recording stand-in for a GPU policy engine's NCCL weight path, on gloo:
+"""A recording stand-in for a GPU policy engine's weight paths, on gloo:
 `python -m tests.integration.megatron.recording_engine PORT`. It records every
-/init_weights_update_group and /update_weights_from_distributed call, really joins the group
-and really receives each announced tensor from rank 0's broadcast, and serves what it recorded
-(with a checksum of every received tensor) at GET /recorded."""
+/init_weights_update_group, /update_weights_from_distributed and /update_weights_from_disk call,
+really joins the group and really receives each announced tensor from rank 0's broadcast, and
+serves what it recorded (with a checksum of every received tensor) at GET /recorded. Like an
+engine it reports its weight_version (set by the last bucket or a disk load) at
+/get_model_info. POST /refuse makes it answer `success: false` to every distributed update
+(after receiving the tensors, so the collectives stay in step) and/or to disk loads of a
+directory of a given name."""
 
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def recording_engines(count: int, log_dir: Path) -> Iterator[list[str]]:
 
 def make_app() -> web.Application:
     calls: list[dict] = []
-    state: dict = {}
+    state: dict = {"weight_version": "0", "model_path": "initial", "refuse": {}}
 
     async def init_group(request: web.Request) -> web.Response:
         body = await request.json()
@@ -64,7 +68,29 @@ def make_app() -> web.Application:
         body = await request.json()
         sums = await asyncio.to_thread(receive, body)
         calls.append({"path": "/update_weights_from_distributed", "body": body, "sums": sums})
+        if state["refuse"].get("distributed"):
+            return web.json_response({"success": False, "message": "refused (test)"})
+        if body.get("weight_version") is not None:
+            state["weight_version"] = body["weight_version"]
         return web.json_response({"success": True, "message": "loaded"})
+
+    async def from_disk(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append({"path": "/update_weights_from_disk", "body": body})
+        if Path(body["model_path"]).name == state["refuse"].get("disk"):
+            return web.json_response({"success": False, "message": "refused (test)"})
+        state["model_path"] = body["model_path"]
+        state["weight_version"] = body.get("weight_version") or state["weight_version"]
+        return web.json_response({"success": True, "message": "loaded"})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": state["model_path"], "weight_version": state["weight_version"]}
+        )
+
+    async def refuse(request: web.Request) -> web.Response:
+        state["refuse"] = await request.json()
+        return web.json_response({})
 
     async def recorded(request: web.Request) -> web.Response:
         return web.json_response(calls)
@@ -75,6 +101,9 @@ def make_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/init_weights_update_group", init_group)
     app.router.add_post("/update_weights_from_distributed", update)
+    app.router.add_post("/update_weights_from_disk", from_disk)
+    app.router.add_post("/refuse", refuse)
+    app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/recorded", recorded)
     app.router.add_get("/health", health)
     return app

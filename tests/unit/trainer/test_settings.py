@@ -27,3 +27,25 @@ def test_bad_values_fail_at_start() -> None:
         TrainerSettings(ppo={"dual_clip_c": 0.5})  # must be > 1
     with pytest.raises(ValidationError, match="rollout_batch_size"):
         TrainerSettings(rollout={"rollout_batch_size": 0})
+
+
+def test_weight_transport_nccl_needs_megatron_and_the_sync_targets(monkeypatch) -> None:
+    assert TrainerSettings().weight_sync.transport == "disk"
+    with pytest.raises(ValidationError, match=r"set train\.backend=megatron"):
+        TrainerSettings(weight_sync={"transport": "nccl"})
+    megatron = {"train": {"backend": "megatron"}, "weight_sync": {"transport": "nccl"}}
+    with pytest.raises(ValidationError, match="at least one URL"):
+        TrainerSettings(**megatron, engines={"urls": []})
+    with pytest.raises(ValidationError, match="at least one address"):
+        TrainerSettings(**megatron, gateways={"addresses": []})
+    with pytest.raises(ValidationError, match="lock_ttl_s"):
+        TrainerSettings(**megatron, gateways={"lease_s": 120})
+    # The weight-sync job's own sections and names reach the in-process sync.
+    monkeypatch.setenv("CLAWRL_ENGINES__URLS", '["http://e0:30010", "http://e1:30010"]')
+    monkeypatch.setenv("CLAWRL_WEIGHT_SYNC__ENGINE_TP", "2")
+    settings = TrainerSettings(**megatron, gateways={"addresses": ["g0:30001"]})
+    job = settings.sync_job_settings()
+    assert job.engines.urls == ["http://e0:30010", "http://e1:30010"]
+    assert job.gateways.addresses == ["g0:30001"]
+    assert job.redis.versions_stream == settings.redis.versions_stream
+    assert settings.weight_sync.engine_tp == 2

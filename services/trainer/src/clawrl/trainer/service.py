@@ -19,9 +19,11 @@ from clawrl.common.streams import GroupConsumer
 from clawrl.trainer.checkpoints import CheckpointStore
 from clawrl.trainer.driver import BackendHandle, connect, start_backend
 from clawrl.trainer.intake import Intake
+from clawrl.trainer.megatron.broadcast_sync import BroadcastSync
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.settings import TrainerSettings
 from clawrl.trainer.training import Trainer
+from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ async def build_trainer(
         max_length=context_length(settings.model, model_dir),
     )
     store = CheckpointStore(settings.checkpoint)
-    trainer = Trainer(settings, backend, intake, consumer, store, redis, metrics)
+    sync = None
+    if settings.weight_sync.transport == "nccl":  # the trainer syncs; no launcher runs
+        sync = BroadcastSync(settings, backend, redis, WeightSyncMetrics(metrics.registry))
+    trainer = Trainer(settings, backend, intake, consumer, store, redis, metrics, sync)
     await trainer.resume()
     return trainer
 

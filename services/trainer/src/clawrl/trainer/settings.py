@@ -9,11 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 from clawrl.trainer.losses import AdvantageConfig, LossConfig
 from clawrl.trainer.megatron.settings import MegatronSettings
+from clawrl.trainer.weight_sync.settings import (
+    EngineTargets,
+    GatewayTargets,
+    SyncSettings,
+    WeightSyncSettings,
+)
 
 
 class RolloutSettings(Section):
@@ -192,6 +198,45 @@ class RaySettings(Section):
     actor_num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by a backend actor.")
 
 
+class TransportSettings(Section):
+    """How a new policy version reaches the policy engines."""
+
+    transport: Literal["disk", "nccl"] = Field(
+        "disk",
+        description="disk: each export is announced and the weight-sync launcher runs a job "
+        "that loads it from disk (/update_weights_from_disk). nccl: the trainer runs the sync "
+        "itself right after the export, broadcasting from its rank 0 (/init_weights_update_group "
+        "+ /update_weights_from_distributed; gloo on CPU), with the export on disk as the "
+        "fallback; needs train.backend=megatron and the [gateways] / [engines] of the sync.",
+    )
+    engine_tp: int = Field(
+        1, ge=1, description="TP ranks of each policy engine (`[gpu] rollout_tp`): each joins "
+        "the broadcast group.",
+    )  # fmt: skip
+    master_address: str | None = Field(
+        None,
+        description="Address the engines reach the trainer's rank 0 at for the group's "
+        "rendezvous; unset = the IP of rank 0's node.",
+    )
+    master_port: int = Field(
+        0, ge=0, lt=65536, description="Rendezvous port on rank 0; 0 = a free port each time "
+        "the group forms.",
+    )  # fmt: skip
+    group_name: str = Field(
+        "clawrl-weights",
+        description="Name of the broadcast group, before a random suffix each time it forms.",
+    )
+    bucket_mb: int = Field(
+        512, gt=0, description="Tensors announced and broadcast together, at most this many MiB."
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for the group to form or for one bucket; a broadcast that "
+        "takes longer fails and the engines load the version from disk.",
+    )
+
+
 class ServerSettings(Section):
     """The HTTP endpoint Prometheus scrapes (/metrics)."""
 
@@ -214,6 +259,29 @@ class TrainerSettings(ClawrlSettings):
     ray: RaySettings = Field(default_factory=RaySettings)
     megatron: MegatronSettings = Field(default_factory=MegatronSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+    weight_sync: TransportSettings = Field(default_factory=TransportSettings)
+    # The weight-sync job's own sections (same names, same file), read with transport = nccl.
+    gateways: GatewayTargets = Field(default_factory=GatewayTargets)
+    engines: EngineTargets = Field(default_factory=EngineTargets)
+    sync: SyncSettings = Field(default_factory=SyncSettings)
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> TrainerSettings:
+        if self.weight_sync.transport == "nccl":
+            if self.train.backend != "megatron":
+                raise ValueError(
+                    "weight_sync.transport=nccl broadcasts from the Megatron backend's rank 0: "
+                    "set train.backend=megatron (the torch backend syncs from disk only)"
+                )
+            self.sync_job_settings()  # no gateways or engines, or a lease the lock outlives
+        return self
+
+    def sync_job_settings(self) -> WeightSyncSettings:
+        """The weight-sync job's settings, for the syncs the trainer runs itself."""
+        return WeightSyncSettings(
+            logging=self.logging, model=self.model, redis=self.redis,
+            gateways=self.gateways, engines=self.engines, sync=self.sync,
+        )  # fmt: skip
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from redis.asyncio import Redis
@@ -59,6 +61,14 @@ def batch_figures(batch, old_logp: torch.Tensor, advantages: torch.Tensor) -> di
     }
 
 
+class VersionSync(Protocol):
+    """A weight sync the trainer runs itself once a version is announced (transport nccl:
+    `megatron.broadcast_sync.BroadcastSync`); with disk syncs the launcher follows the
+    announcements instead."""
+
+    def __call__(self, ready: VersionReady, *, from_disk: bool = False) -> Awaitable[object]: ...
+
+
 class Trainer:
     """Drives a backend from collected batches to durable states and announced versions."""
 
@@ -71,6 +81,7 @@ class Trainer:
         store: CheckpointStore,
         redis: Redis,
         metrics: TrainerMetrics,
+        sync: VersionSync | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -79,6 +90,7 @@ class Trainer:
         self.store = store
         self.redis = redis
         self.metrics = metrics
+        self.sync = sync
         self.state = TrainerState()
         self.trained = TrainedIds([], settings.consumer.dedupe_window)
         self.uncommitted: set[str] = set()  # trained in steps not durable yet
@@ -100,10 +112,15 @@ class Trainer:
         log.info("resumed from %s: step %d, policy version %d, %d trained ids",
                  path, state.step, state.policy_version, len(state.trained_ids))  # fmt: skip
         if state.policy_version:
+            version = state.policy_version
+            ready = self._ready(version, self.store.policies / f"v{version}")
             announced = await latest(self.redis, self.settings.redis.versions_stream)
-            if announced is None or announced.version < state.policy_version:
-                export = self.store.policies / f"v{state.policy_version}"
-                await self._announce(self._ready(state.policy_version, export))
+            if announced is None or announced.version < version:
+                await self._announce(ready)
+            if self.sync is not None:
+                # The engines may serve an older version; the backend may already hold weights
+                # newer than the export (a state saved after it): from disk.
+                await self.sync(ready, from_disk=True)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
@@ -220,8 +237,12 @@ class Trainer:
         self.pending_acks = []
         self.uncommitted = set()
         if self.unannounced is not None:
-            await self._announce(self.unannounced)
+            ready = self.unannounced
+            await self._announce(ready)
             self.unannounced = None
+            if self.sync is not None:
+                # Before the next step changes the weights: they are exactly version N now.
+                await self.sync(ready)
 
     def _ready(self, version: int, path) -> VersionReady:
         return VersionReady(version=version, path=self.store.announced_path(path),

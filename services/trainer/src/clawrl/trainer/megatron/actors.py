@@ -5,7 +5,6 @@ calls every method on all of them at once)."""
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
 import ray
@@ -15,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from clawrl.common.models import resolve_model_dir
 from clawrl.trainer.megatron.layout import LayoutError, ModelShape, check_tensor_parallel
 from clawrl.trainer.megatron.placement import trainer_bundles
-from clawrl.trainer.megatron.rank import MegatronRank, RankConfig
+from clawrl.trainer.megatron.rank import MegatronRank, RankConfig, free_port, node_address
 from clawrl.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,7 @@ def check_layout(settings: TrainerSettings, model_dir: Path) -> ModelShape:
 @ray.remote
 def _rendezvous() -> tuple[str, int]:
     """Address and a free port on the node of bundle 0, for torch.distributed's TCP store."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return node_address(), free_port()
 
 
 def start_actors(settings: TrainerSettings) -> list:

@@ -127,12 +127,21 @@ class BroadcastSender:
         self.address, self.port = master_address, master_port
         self.group_name, self.backend, self.bucket_bytes = group_name, backend, bucket_bytes
         self.device = torch.device(device)  # NCCL broadcasts from the GPU
+        self.timeout_s = timeout_s
         self.clients = [SGLangClient(e.url, timeout_s=timeout_s) for e in engines]
         self.group = None
 
     async def aclose(self) -> None:
+        """Close the HTTP clients and leave the group (the engines keep theirs until the next
+        /init_weights_update_group of the same name replaces it)."""
         for client in self.clients:
             await client.aclose()
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception as exc:  # a broken group: dropping it is all that is left
+                log.warning("could not destroy the broadcast group: %s", exc)
 
     @staticmethod
     def _check(replies: list[dict], what: str) -> None:
@@ -144,8 +153,9 @@ class BroadcastSender:
         """Every engine joins the group while rank 0 does (the rendezvous waits for all)."""
         offsets, world = rank_offsets([e.tp for e in self.engines])
         joined = asyncio.to_thread(
-            join_group, self.backend, self.address, self.port, 0, world, self.group_name
-        )
+            join_group, self.backend, self.address, self.port, 0, world, self.group_name,
+            self.timeout_s,
+        )  # fmt: skip
         calls = [
             client.init_weights_update_group(
                 self.address, self.port, offset, world, self.group_name, self.backend

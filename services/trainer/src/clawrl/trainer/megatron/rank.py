@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +63,22 @@ def read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
             for name in handle.keys():
                 tensors[name] = handle.get_tensor(name)
     return tensors
+
+
+def node_address() -> str:
+    """This node's IP as other machines reach it (Ray's view when present)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # no Ray here (the GPU checks): the host's own name
+        return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def causal_mask(length: int, device: torch.device) -> Tensor:
@@ -341,32 +358,50 @@ class MegatronRank:
 
         write_hf_dir(hf, self.model_dir, Path(path), self.dtype)
 
-    # --- weight sync by broadcast (GPU engines; see nccl_sync) --------------------------------
+    # --- weight sync by broadcast (weight_sync.transport = nccl; see nccl_sync) -----------------
 
     def connect_engines(
-        self, engines: list, master_address: str, master_port: int, group_name: str,
-        bucket_bytes: int,
+        self, engines: list, master_address: str | None, master_port: int, group_name: str,
+        bucket_bytes: int, timeout_s: float = 300.0,
     ) -> None:  # fmt: skip
-        """Rank 0 forms the broadcast group with the engines (once; other ranks do nothing)."""
+        """Rank 0 forms the broadcast group with the engines, at `master_address` (None: this
+        node's IP) and `master_port` (0: a free one); other ranks do nothing."""
         if self.rank != 0:
             return
         import asyncio
 
         from clawrl.trainer.megatron.nccl_sync import BroadcastSender
 
+        self.disconnect_engines()
+        address = master_address or node_address()
+        port = master_port or free_port()
         # The sender's HTTP clients live on one event loop, kept for every later sync.
         self._sync_loop = asyncio.new_event_loop()
 
         async def connect() -> BroadcastSender:
             sender = BroadcastSender(
-                engines, master_address, master_port, group_name=group_name,
+                engines, address, port, group_name=group_name,
                 backend="nccl" if self.device.type == "cuda" else "gloo",
-                bucket_bytes=bucket_bytes, device=str(self.device),
+                bucket_bytes=bucket_bytes, timeout_s=timeout_s, device=str(self.device),
             )  # fmt: skip
-            await sender.connect()
+            try:
+                await sender.connect()
+            except BaseException:
+                await sender.aclose()
+                raise
             return sender
 
         self._sender = self._sync_loop.run_until_complete(connect())
+
+    def disconnect_engines(self) -> None:
+        """Leave the broadcast group (after a failure, or before forming a new one)."""
+        sender, self._sender = getattr(self, "_sender", None), None
+        loop, self._sync_loop = getattr(self, "_sync_loop", None), None
+        if loop is None:
+            return
+        if sender is not None:
+            loop.run_until_complete(sender.aclose())
+        loop.close()
 
     def broadcast_weights(self, version: int) -> int:
         """Gather the HF tensors from the TP shards (all ranks) and broadcast them from rank 0

@@ -1,6 +1,10 @@
 """One weight sync: Pause every gateway (a lease renewed while the job works) -> every policy
 engine loads version N from disk -> Resume every gateway with policy_version=N.
 
+The load step may instead be a broadcast (`Broadcast`, the trainer's in-process sync with
+`weight_sync.transport = nccl`): when it fails, or an engine does not report N after it, the
+engines load N from disk and the sync still succeeds (`broadcast_error` says why).
+
 Failure rules: any failure resumes the gateways on the version they had (Resume 0) and the job
 exits non-zero with the reason; engines that loaded N while another failed are rolled back to
 what they served before, so every replica ends on one version (if a rollback fails too, the
@@ -35,6 +39,9 @@ from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 
+# Pushes `ready`'s weights into the engines at these URLs; raises when it cannot.
+Broadcast = Callable[[VersionReady, list[str]], Awaitable[None]]
+
 # Exit codes of `clawrl-weight-sync run`, by outcome.
 EXIT_CODES = {"ok": 0, "skipped": 0, "failed": 1, "busy": 2, "inconsistent": 3}
 
@@ -48,7 +55,9 @@ class SyncResult:
     reason: str = ""
     pause_s: float = 0.0  # user-visible: first Pause sent -> last Resume answered
     drain_s: float = 0.0  # of which waiting for in-flight generations
-    load_s: float = 0.0  # slowest engine's /update_weights_from_disk
+    load_s: float = 0.0  # slowest engine's load (or the broadcast, and its disk fallback)
+    transport: str = "disk"  # how the engines got the weights: disk | nccl
+    broadcast_error: str = ""  # why a broadcast fell back to disk
     gateways: int = 0
     engines: int = 0
     renewal_failures: int = 0
@@ -82,6 +91,7 @@ class SyncResult:
             + (f" ({self.reason})" if self.reason else "")
             + f"; pause {self.pause_s:.3f}s (drain {self.drain_s:.3f}s, load {self.load_s:.3f}s)"
             f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
+            + (" by broadcast" if self.transport == "nccl" else "")
         )
 
 
@@ -119,12 +129,14 @@ class WeightSync:
         engines: list[Engine],
         *,
         renew: Callable[[], Awaitable[None]] | None = None,
+        broadcast: Broadcast | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.gateways = gateways
         self.engines = engines
         self.extra_renewal = renew
+        self.broadcast = broadcast
         self.renewal_failures = 0
 
     async def run(self, ready: VersionReady, result: SyncResult) -> None:
@@ -171,8 +183,20 @@ class WeightSync:
     async def _load(
         self, ready: VersionReady, served: list[EngineWeights], result: SyncResult
     ) -> int | None:
-        """Every engine loads N; the version to resume with (None: keep the old one)."""
+        """Every engine loads N (by broadcast, else from disk); the version to resume with
+        (None: keep the old one)."""
         started = time.monotonic()
+        if self.broadcast is not None:
+            try:
+                await self._broadcast(ready)
+            except Exception as exc:  # whatever broke the broadcast, the export is on disk
+                result.broadcast_error = str(exc) or type(exc).__name__
+                log.warning("broadcast of v%d failed, loading it from disk: %s",
+                            ready.version, result.broadcast_error)  # fmt: skip
+            else:
+                result.load_s = time.monotonic() - started
+                result.outcome, result.transport = "ok", "nccl"
+                return ready.version
         outcomes = await asyncio.gather(
             *(engine.load(ready.path, str(ready.version)) for engine in self.engines),
             return_exceptions=True,
@@ -184,11 +208,14 @@ class WeightSync:
                 raise outcome
         if not failed:
             result.outcome = "ok"
+            if result.broadcast_error:
+                result.reason = f"broadcast failed ({result.broadcast_error}); loaded from disk"
             return ready.version
         updated = [
             (engine, weights)
             for engine, weights, outcome in zip(self.engines, served, outcomes, strict=True)
-            if not isinstance(outcome, BaseException)
+            # After a failed broadcast any engine may hold part of N: every one goes back.
+            if result.broadcast_error or not isinstance(outcome, BaseException)
         ]
         reason = "; ".join(str(f) for f in failed)
         rollback_errors = []
@@ -202,6 +229,18 @@ class WeightSync:
         if updated:
             reason += f"; rolled {len(updated)} updated engine(s) back"
         raise ReplicaError(reason)
+
+    async def _broadcast(self, ready: VersionReady) -> None:
+        """The broadcast, then every engine must report N (the last bucket carries it)."""
+        await self.broadcast(ready, [engine.url for engine in self.engines])
+        served = await asyncio.gather(*(engine.weights() for engine in self.engines))
+        behind = [
+            f"{engine.url} reports v{weights.version}"
+            for engine, weights in zip(self.engines, served, strict=True)
+            if weights.version != str(ready.version)
+        ]
+        if behind:
+            raise ReplicaError(f"after the broadcast: {'; '.join(behind)}")
 
     async def _renew_forever(self, reason: str) -> None:
         """Renew the pause lease (and the lock) every lease_s / 3 while the sync works."""
@@ -221,10 +260,16 @@ async def publish(redis: Redis, settings: WeightSyncSettings, result: SyncResult
 
 
 async def sync_version(
-    settings: WeightSyncSettings, redis: Redis, ready: VersionReady, job_id: str
+    settings: WeightSyncSettings,
+    redis: Redis,
+    ready: VersionReady,
+    job_id: str,
+    *,
+    broadcast: Broadcast | None = None,
 ) -> SyncResult:
     """One whole sync under the lock; the result is published, logged and returned (also
-    when the job is cancelled by SIGTERM: then the gateways are resumed first)."""
+    when the job is cancelled by SIGTERM: then the gateways are resumed first). With
+    `broadcast`, it is the load step and disk the fallback."""
     result = SyncResult(version=ready.version, outcome="", job_id=job_id)
     lock = redis.lock(
         settings.sync.lock_key,
@@ -242,7 +287,7 @@ async def sync_version(
                 )
                 return result
             try:
-                await _sync_locked(settings, redis, ready, lock, result)
+                await _sync_locked(settings, redis, ready, lock, result, broadcast)
             finally:
                 try:
                     await lock.release()
@@ -265,7 +310,9 @@ async def sync_version(
             )
 
 
-async def _sync_locked(settings, redis, ready, lock, result: SyncResult) -> None:
+async def _sync_locked(
+    settings, redis, ready, lock, result: SyncResult, broadcast: Broadcast | None
+) -> None:
     try:
         addresses = await gateway_addresses(settings.gateways)
         urls = await engine_urls(settings.engines)
@@ -281,7 +328,8 @@ async def _sync_locked(settings, redis, ready, lock, result: SyncResult) -> None
             await lock.extend(settings.sync.lock_ttl_s, replace_ttl=True)
 
     try:
-        await WeightSync(settings, redis, gateways, engines, renew=renew_lock).run(ready, result)
+        sync = WeightSync(settings, redis, gateways, engines, renew=renew_lock, broadcast=broadcast)
+        await sync.run(ready, result)
     except ReplicaError as exc:  # before the pause: an engine did not say what it serves
         result.outcome, result.reason = "failed", str(exc)
     except asyncio.CancelledError:

@@ -182,10 +182,5 @@ class SyncWatcher:
                 self._results_id = entry_id
                 result = SyncResult.from_fields(fields)
                 results.append(result)
-                self.metrics.syncs.labels(outcome=result.outcome).inc()
-                self.metrics.lease_renewal_failures.inc(result.renewal_failures)
-                if result.outcome == "ok":
-                    self.metrics.pause.observe(result.pause_s)
-                    self.metrics.load.observe(result.load_s)
-                    self.metrics.policy_version.set(result.version)
+                self.metrics.observe(result)
         return results

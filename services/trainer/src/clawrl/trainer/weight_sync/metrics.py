@@ -3,12 +3,19 @@ short-lived, so their figures reach these metrics through the results stream).""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from clawrl.trainer.weight_sync.job import SyncResult
 
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class WeightSyncMetrics:
+    """The launcher's metrics; also the trainer's when it runs the syncs itself (nccl)."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -45,3 +52,20 @@ class WeightSyncMetrics:
             "Newest policy version the trainer announced.",
             registry=r,
         )
+        self.broadcast_fallbacks = Counter(
+            "clawrl_weight_sync_broadcast_fallbacks_total",
+            "Broadcast syncs (transport nccl) whose broadcast failed, so the engines loaded the "
+            "version from disk instead.",
+            registry=r,
+        )
+
+    def observe(self, result: SyncResult) -> None:
+        """Count one finished sync."""
+        self.syncs.labels(outcome=result.outcome).inc()
+        self.lease_renewal_failures.inc(result.renewal_failures)
+        if result.broadcast_error:
+            self.broadcast_fallbacks.inc()
+        if result.outcome == "ok":
+            self.pause.observe(result.pause_s)
+            self.load.observe(result.load_s)
+            self.policy_version.set(result.version)
