@@ -5,16 +5,25 @@
 2. PPO steps on a fixed batch in bf16 with Megatron's DDP + optimizer: the loss falls and a
    positive advantage raises its tokens' log-probs; prints tokens/s of a step on the largest
    model of the list that fits the time (random weights of a real model's shape).
+3. The weight broadcast of that trained model (`connect_engines` + `broadcast_weights`, the
+   path of `weight_sync.transport = nccl`) to a receiver process that joins the group as an
+   engine does (tests/integration/megatron/recording_engine.py): over NCCL into the second GPU
+   when one is visible, else over gloo from the GPU-resident weights (NCCL refuses two ranks on
+   one device); every tensor must arrive (checksums); prints GiB/s.
 TP=2 needs two GPUs (NCCL refuses two ranks on one device); on one GPU only TP=1 runs here.
 Prints figures; exits non-zero when a check fails.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -25,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from clawrl.trainer.backend import TrainBatch  # noqa: E402
 from clawrl.trainer.losses import LossConfig  # noqa: E402
+from clawrl.trainer.megatron.nccl_sync import Engine  # noqa: E402
 from clawrl.trainer.megatron.rank import MegatronRank, RankConfig  # noqa: E402
 from tests.unit.megatron.tiny import random_hf_model, tiny_configs  # noqa: E402
 
@@ -74,6 +84,62 @@ def rank(dtype: str, micro_tokens: int, lr: float = 1e-4) -> MegatronRank:
     return MegatronRank(0, "127.0.0.1", free_port(), cfg)
 
 
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.load(reply)
+
+
+def start_receiver(device: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.integration.megatron.recording_engine", str(port), device]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            get_json(url + "/health")
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the receiver did not start") from None
+            time.sleep(0.5)
+
+
+def broadcast_check(r: MegatronRank) -> list[str]:
+    """Check 3 (see the module docstring) on the trained rank `r`; -> failures."""
+    if torch.cuda.device_count() >= 2:
+        backend, device, env = "nccl", "cuda", {"CUDA_VISIBLE_DEVICES": "1"}
+    else:
+        backend, device, env = "gloo", "cpu", {}
+        print("[broadcast] one GPU: gloo from the GPU weights (NCCL needs a GPU per rank)")
+    proc, url = start_receiver(device, env)
+    try:
+        r.connect_engines([Engine(url)], "127.0.0.1", 0, "gpu-check", 512 << 20, 300.0, backend)
+        started = time.perf_counter()
+        buckets = r.broadcast_weights(1)
+        seconds = time.perf_counter() - started  # includes gathering the HF tensors
+        init, *updates = get_json(url + "/recorded")
+        received = {
+            n: x for c in updates for n, x in zip(c["body"]["names"], c["sums"], strict=True)
+        }
+        hf = r.gather_hf()
+        expected = {n: float(t.double().sum()) for n, t in hf.items()}
+        gib = sum(t.numel() * t.element_size() for t in hf.values()) / 2**30
+        print(f"[broadcast] {init['body']['backend']}: {len(received)} tensors, {gib:.2f} GiB "
+              f"in {buckets} buckets, {seconds:.2f}s = {gib / seconds:.2f} GiB/s")  # fmt: skip
+        wrong = [n for n in expected if abs(received.get(n, float("nan")) - expected[n])
+                 > 1e-6 * max(1.0, abs(expected[n]))]  # fmt: skip
+        failures = [f"broadcast: {len(wrong)} tensors differ or are missing"] if wrong else []
+        if updates[-1]["body"].get("weight_version") != "1":
+            failures.append("broadcast: the last bucket did not carry the version")
+        return failures
+    finally:
+        r.disconnect_engines()
+        proc.terminate()
+        proc.wait(30)
+
+
 def main() -> int:
     failures = []
     work = Path(tempfile.mkdtemp())
@@ -118,6 +184,7 @@ def main() -> int:
         failures.append("the PPO loss did not fall")
     if not ((delta[1::2] > 0).all() and (delta[0::2] < 0).all()):
         failures.append("log-probs did not follow the advantage signs")
+    failures += broadcast_check(r)
     r.close()
     for failure in failures:
         print("FAILED:", failure)

@@ -56,3 +56,4 @@ def test_the_trainer_reads_its_sections() -> None:
     )
     assert settings.checkpoint.keep_versions == 3
     assert settings.train.micro_batch_tokens == 2048
+    assert settings.weight_sync.transport == "disk"

@@ -1,12 +1,13 @@
 """A recording stand-in for a GPU policy engine's weight paths, on gloo:
-`python -m tests.integration.megatron.recording_engine PORT`. It records every
+`python -m tests.integration.megatron.recording_engine PORT [DEVICE]`. It records every
 /init_weights_update_group, /update_weights_from_distributed and /update_weights_from_disk call,
 really joins the group and really receives each announced tensor from rank 0's broadcast, and
 serves what it recorded (with a checksum of every received tensor) at GET /recorded. Like an
 engine it reports its weight_version (set by the last bucket or a disk load) at
 /get_model_info. POST /refuse makes it answer `success: false` to every distributed update
 (after receiving the tensors, so the collectives stay in step) and/or to disk loads of a
-directory of a given name."""
+directory of a given name. It receives into DEVICE (cpu; cuda for NCCL in tests/gpu/checks.py,
+which is why it needs no pytest)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import torch
 from aiohttp import web
 
 from clawrl.trainer.megatron.nccl_sync import join_group
-from tests.conftest import ChildProcess, free_port, wait_until
 
 
 @contextmanager
 def recording_engines(count: int, log_dir: Path) -> Iterator[list[str]]:
     """`count` recording engines in child processes; yields their URLs."""
+    from tests.conftest import ChildProcess, free_port, wait_until
+
     children = []
     try:
         for i in range(count):
@@ -43,7 +45,7 @@ def recording_engines(count: int, log_dir: Path) -> Iterator[list[str]]:
             child.stop()
 
 
-def make_app() -> web.Application:
+def make_app(device: str = "cpu") -> web.Application:
     calls: list[dict] = []
     state: dict = {"weight_version": "0", "model_path": "initial", "refuse": {}}
 
@@ -59,7 +61,7 @@ def make_app() -> web.Application:
     def receive(body: dict) -> list[float]:
         sums = []
         for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             torch.distributed.broadcast(tensor, src=0, group=state["group"])
             sums.append(float(tensor.double().sum()))
         return sums
@@ -110,4 +112,5 @@ def make_app() -> web.Application:
 
 
 if __name__ == "__main__":
-    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]), print=None)
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    web.run_app(make_app(device), host="127.0.0.1", port=int(sys.argv[1]), print=None)

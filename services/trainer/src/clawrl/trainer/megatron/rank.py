@@ -362,10 +362,11 @@ class MegatronRank:
 
     def connect_engines(
         self, engines: list, master_address: str | None, master_port: int, group_name: str,
-        bucket_bytes: int, timeout_s: float = 300.0,
+        bucket_bytes: int, timeout_s: float = 300.0, backend: str | None = None,
     ) -> None:  # fmt: skip
         """Rank 0 forms the broadcast group with the engines, at `master_address` (None: this
-        node's IP) and `master_port` (0: a free one); other ranks do nothing."""
+        node's IP) and `master_port` (0: a free one), on `backend` (None: NCCL on GPUs, gloo on
+        CPU); other ranks do nothing."""
         if self.rank != 0:
             return
         import asyncio
@@ -381,7 +382,7 @@ class MegatronRank:
         async def connect() -> BroadcastSender:
             sender = BroadcastSender(
                 engines, address, port, group_name=group_name,
-                backend="nccl" if self.device.type == "cuda" else "gloo",
+                backend=backend or ("nccl" if self.device.type == "cuda" else "gloo"),
                 bucket_bytes=bucket_bytes, timeout_s=timeout_s, device=str(self.device),
             )  # fmt: skip
             try:
