@@ -80,6 +80,25 @@ async def test_rl_reward_fn_samples_are_exact_copies_of_their_turns(redis: Redis
     assert by_id["s1:3"].mask_reason == MaskReason.MASK_REASON_EMPTY_RESPONSE
 
 
+async def test_a_turn_generated_across_a_weight_sync_is_masked_as_mixed(redis: Redis, url) -> None:
+    """The gateway records the version it admitted the request under; a sync that retracted
+    the generation makes it older than the engine's version at the end: masked, not trained.
+    Equal versions, or a record without the field (an older gateway), are trained."""
+    settings = judge_settings(url, judging={"mode": "rl", **BANANA})
+    reply = [{"role": "user", "content": "ok"}]
+    turns = [make_turn("m", i, response="I like banana", next_state=reply) for i in range(3)]
+    turns[0].admitted_policy_version = 2  # policy_version is 3: tokens of v2 and v3
+    turns[1].admitted_policy_version = 3
+    await put_turns(redis, settings, turns)
+    async with running(settings, serve=False):
+        found = {s.sample_id: s for s in await wait_samples(redis, settings, 3)}
+    assert found["m:0"].mask_reason == MaskReason.MASK_REASON_MIXED_POLICY
+    assert list(found["m:0"].loss_mask) == [0.0, 0.0, 0.0]
+    for trained in ("m:1", "m:2"):
+        assert found[trained].mask_reason == MaskReason.MASK_REASON_UNSPECIFIED
+        assert list(found[trained].loss_mask) == [1.0, 1.0, 1.0]
+
+
 async def test_redelivered_turn_yields_no_second_sample(redis: Redis, url) -> None:
     settings = judge_settings(
         url, judging={"reward_fn": ENDS_WITH, "reward_fn_args": {"word": "x"}}

@@ -12,13 +12,16 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
 import redis
 
+from clawrl.common.records import Turn, decode_entry
 from clawrl.common.versions import VersionReady, announce
-from clawrl.trainer.weight_sync.job import SyncResult
+from clawrl.trainer.weight_sync.job import SyncResult, sync_version
+from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 from .conftest import run_sync, sync_argv
 
@@ -242,3 +245,142 @@ def test_sigkill_after_pause_leaves_no_gateway_paused_past_the_lease(replicas, s
     finally:
         job.kill()
         server.shutdown()
+
+
+def tokens_for(engine: str, seconds: float) -> int:
+    """How many tokens the engine decodes in about `seconds` now (the host's load varies)."""
+    started = time.monotonic()
+    httpx.post(
+        f"{engine}/generate",
+        json={"text": "Count.", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}},
+        timeout=120,
+    ).raise_for_status()
+    return int(min(2000, max(32, 16 / (time.monotonic() - started) * seconds)))
+
+
+class LongGeneration(threading.Thread):
+    """One main turn (a session of its own, done with this turn) generating `tokens` tokens
+    through a gateway (greedy: the random model loops on one token, never its end of text);
+    keeps the answer."""
+
+    def __init__(self, replica, tokens: int):
+        super().__init__(daemon=True)
+        self.replica, self.tokens = replica, tokens
+        self.session = f"long-{uuid.uuid4().hex[:8]}"
+        self.reply: httpx.Response | None = None
+
+    def run(self):
+        self.reply = httpx.post(
+            f"{self.replica.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Tell me a long story."}],
+                  "max_tokens": self.tokens, "temperature": 0},
+            headers={"X-Session-Id": self.session, "X-Session-Done": "true"},
+            timeout=600,
+        )  # fmt: skip
+
+    def started(self) -> None:
+        """Returns once the generation runs (the gateway counts it in flight)."""
+        self.start()
+        deadline = time.monotonic() + 60
+        while self.replica.status().in_flight < 1:
+            assert time.monotonic() < deadline and self.is_alive(), (
+                f"the generation never ran: {self.reply and self.reply.text}"
+            )
+            time.sleep(0.01)
+        time.sleep(0.5)  # into its tokens
+
+    def turn(self, redis_url: str) -> Turn:
+        """The turn the gateway recorded for it."""
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for _, fields in client.xrange("clawrl:turns"):
+                turn = decode_entry(fields, Turn)
+                if turn.session_id == self.session:
+                    return turn
+            time.sleep(0.1)
+        raise AssertionError(f"no turn recorded for {self.session}")
+
+
+BUDGET_S = 0.25  # the drain budget of these syncs
+
+
+def sync_in_process(sync_env, replicas, engines, version: int, path) -> SyncResult:
+    """One sync run here (no process start, so the generation it meets is surely running)."""
+    settings = WeightSyncSettings(
+        redis={"url": sync_env["CLAWRL_REDIS__URL"],
+               "versions_stream": sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]},
+        gateways={"addresses": [r.control for r in replicas], "drain_timeout_s": BUDGET_S},
+        engines={"urls": engines},
+        sync={"lock_key": sync_env["CLAWRL_SYNC__LOCK_KEY"],
+              "results_stream": sync_env["CLAWRL_SYNC__RESULTS_STREAM"]},
+    )  # fmt: skip
+
+    async def go():
+        client = redis.asyncio.Redis.from_url(settings.redis.url)
+        try:
+            ready = VersionReady(version, str(path), version, time.time())
+            return await sync_version(settings, client, ready, f"job-{uuid.uuid4().hex[:6]}")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_sync_retracts_a_long_generation_which_completes_on_the_new_weights(
+    replicas, engine, checkpoints, sync_env, redis_url
+):
+    """The pause ends within the drain budget + the load, not after the generation; the
+    generation completes, continued on the new weights, and its turn records both versions."""
+    old = int(engine_weights(engine)[0])
+    new = old + 10
+    long = LongGeneration(replicas[0], tokens_for(engine, 8.0))
+    long.started()
+    result = sync_in_process(sync_env, replicas, [engine], new, checkpoints["v2"])
+    assert long.is_alive(), "the generation ended before the sync: it proves nothing"
+    assert result.outcome == "ok" and result.retracted == 1, result
+    assert BUDGET_S <= result.drain_s < BUDGET_S + 0.5, result
+    assert result.pause_s < result.drain_s + result.load_s + 1.0, result
+    assert "1 generation(s) retracted" in result.summary()
+    long.join(timeout=600)
+    assert long.reply is not None and long.reply.status_code == 200, long.reply
+    body = long.reply.json()
+    assert body["usage"]["completion_tokens"] == long.tokens
+    assert body["system_fingerprint"] == f"clawrl-policy-v{new}"
+    turn = long.turn(redis_url)
+    assert turn.HasField("admitted_policy_version")
+    assert (turn.admitted_policy_version, turn.policy_version, turn.weight_version) == (
+        old,
+        new,
+        str(new),
+    )
+    assert len(turn.response_ids) == len(turn.response_logprobs) == long.tokens
+    for replica in replicas:
+        status = replica.status()
+        assert (status.paused, status.policy_version) == (False, new)
+
+
+def test_a_failing_load_after_a_retract_still_continues_the_engines(
+    replicas, engine, tmp_path, sync_env, redis_url
+):
+    """The engines were paused for the load; the load fails; /continue_generation is sent all
+    the same: the retracted generation completes on the old weights, new requests are served."""
+    served = engine_weights(engine)
+    old = int(served[0])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    long = LongGeneration(replicas[1], tokens_for(engine, 8.0))
+    long.started()
+    result = sync_in_process(sync_env, replicas, [engine], old + 1, broken)
+    assert long.is_alive(), "the generation ended before the sync: it proves nothing"
+    assert result.outcome == "failed" and "cannot load weights" in result.reason, result
+    # Continued: without /continue_generation the engine would hold both of these forever.
+    long.join(timeout=600)
+    assert long.reply is not None and long.reply.status_code == 200, long.reply
+    assert long.reply.json()["usage"]["completion_tokens"] == long.tokens
+    assert replicas[0].chat("after").status_code == 200
+    turn = long.turn(redis_url)
+    assert (turn.admitted_policy_version, turn.policy_version) == (old, old)
+    assert engine_weights(engine) == served
+    assert not any(r.status().paused for r in replicas)

@@ -68,7 +68,8 @@ class ServedTurn:
     """What the serving core hands over once a main turn's response is complete."""
 
     model: str
-    policy_version: int
+    policy_version: int  # of the engine's weight_version at the end of the generation
+    admitted_policy_version: int  # the gate's when the request was admitted
     weight_version: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -112,6 +113,7 @@ def pending_turn(session_id: str, request_id: str, served: ServedTurn) -> bytes:
         request_id=request_id,
         model=served.model,
         policy_version=served.policy_version,
+        admitted_policy_version=served.admitted_policy_version,
         weight_version=served.weight_version,
         messages_json=orjson.dumps(served.messages).decode(),
         tools_json=orjson.dumps(served.tools).decode() if served.tools else "",

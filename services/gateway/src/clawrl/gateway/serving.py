@@ -288,9 +288,10 @@ class ChatService:
         generation: Generation,
         message: dict[str, Any],
         finish_reason: str,
-        policy_version: int,
+        gate_version: int,
     ) -> dict[str, str]:
-        """Store a main turn, or close the session of a side turn; response headers."""
+        """Store a main turn, or close the session of a side turn; response headers.
+        `gate_version`: the policy version the request was admitted under."""
         if self.recorder is None:
             return {}
         if turn is None:
@@ -299,7 +300,10 @@ class ChatService:
             return {}
         served = ServedTurn(
             model=self.model_name,
-            policy_version=policy_version,
+            # The engine's version at the end: a sync that retracted this generation made
+            # it newer than the admitted one (the judge masks such mixed turns).
+            policy_version=policy_version_of(generation.weight_version, gate_version),
+            admitted_policy_version=gate_version,
             weight_version=generation.weight_version,
             messages=request.messages,
             tools=request.tools,
@@ -367,7 +371,7 @@ class ChatService:
             "usage": self._usage(generation, len(prompt_ids)),
         }
         headers = await self._record(
-            request, request_id, turn, prompt_ids, generation, message, finish, policy_version
+            request, request_id, turn, prompt_ids, generation, message, finish, gate_version
         )
         return response, headers
 
@@ -490,7 +494,7 @@ class ChatService:
                     generation,
                     assistant_message("".join(content), calls),
                     finish,
-                    policy_version,
+                    stream.gate_version,
                 )
         yield chunk({}, finish)
         if request.include_usage:

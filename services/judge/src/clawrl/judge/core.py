@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from clawrl.common.proto.records_pb2 import FinalizeReason, MaskReason, SampleMode
-from clawrl.common.records import Sample
+from clawrl.common.records import Sample, Turn
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
 from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
 from clawrl.judge.hints import HintVote, parse_hint_vote, select_hint
@@ -106,6 +106,17 @@ def base_sample(view: TurnView, mode: Mode) -> Sample:
     return sample
 
 
+def mixed_policy(turn: Turn) -> bool:
+    """A weight sync swapped the weights while the turn was generated. Such a turn is masked,
+    not trained: its log-probs are each token's true behaviour log-prob, but no one policy
+    version produced it (staleness, per-version rewards and audits key on one), and only the
+    few generations still running when a sync's drain budget ends are retracted."""
+    return (
+        turn.HasField("admitted_policy_version")
+        and turn.admitted_policy_version != turn.policy_version
+    )
+
+
 def set_mask(sample: Sample, reason: int | None) -> Sample:
     """Trained (loss_mask ones) when `reason` is None, else masked with that reason."""
     trained = reason is None
@@ -177,6 +188,8 @@ class Judge:
         judgement = Judgement(sample=sample, audit=audit)
         if not turn.response_ids:
             set_mask(sample, MaskReason.MASK_REASON_EMPTY_RESPONSE)
+        elif mixed_policy(turn):
+            set_mask(sample, MaskReason.MASK_REASON_MIXED_POLICY)
         elif self.mode == "rl":
             await self._rl(view, judgement)
         elif self.mode == "opd":

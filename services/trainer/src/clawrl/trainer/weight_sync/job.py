@@ -5,6 +5,12 @@ The load step may instead be a broadcast (`Broadcast`, the trainer's in-process 
 `weight_sync.transport = nccl`): when it fails, or an engine does not report N after it, the
 engines load N from disk and the sync still succeeds (`broadcast_error` says why).
 
+The drain is bounded, as in SGLang/slime: Pause waits at most the drain budget for in-flight
+generations; if some still run then (engines.in_flight = retract), every engine is paused with
+/pause_generation mode=retract, loads at once, and gets /continue_generation (always, also when
+the load fails) before the gateways resume. The retracted generations go on under the new
+weights; the gateway records both versions of such a turn.
+
 Failure rules: any failure resumes the gateways on the version they had (Resume 0) and the job
 exits non-zero with the reason; engines that loaded N while another failed are rolled back to
 what they served before, so every replica ends on one version (if a rollback fails too, the
@@ -21,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import LockError
@@ -38,6 +45,7 @@ from clawrl.trainer.weight_sync.replicas import (
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Pushes `ready`'s weights into the engines at these URLs; raises when it cannot.
 Broadcast = Callable[[VersionReady, list[str]], Awaitable[None]]
@@ -58,6 +66,7 @@ class SyncResult:
     load_s: float = 0.0  # slowest engine's load (or the broadcast, and its disk fallback)
     transport: str = "disk"  # how the engines got the weights: disk | nccl
     broadcast_error: str = ""  # why a broadcast fell back to disk
+    retracted: int = 0  # generations that went on under the new weights (engines' count)
     gateways: int = 0
     engines: int = 0
     renewal_failures: int = 0
@@ -90,7 +99,8 @@ class SyncResult:
             f"weight sync to v{self.version}: {self.outcome}"
             + (f" ({self.reason})" if self.reason else "")
             + f"; pause {self.pause_s:.3f}s (drain {self.drain_s:.3f}s, load {self.load_s:.3f}s)"
-            f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
+            + (f", {self.retracted} generation(s) retracted" if self.retracted else "")
+            + f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
             + (" by broadcast" if self.transport == "nccl" else "")
         )
 
@@ -106,16 +116,23 @@ async def rollback_path(redis: Redis, stream: str, served: EngineWeights) -> str
     return served.path
 
 
-async def gather_errors(calls: list[Awaitable[object]]) -> list[str]:
-    """Run the calls at once; the messages of those that raised ReplicaError."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    errors = []
-    for result in results:
+async def gather_answers(calls: list[Awaitable[T]]) -> tuple[list[T], list[str]]:
+    """Run the calls at once; the answers of those that succeeded and the messages of those
+    that raised ReplicaError."""
+    answers, errors = [], []
+    for result in await asyncio.gather(*calls, return_exceptions=True):
         if isinstance(result, ReplicaError):
             errors.append(str(result))
         elif isinstance(result, BaseException):
             raise result
-    return errors
+        else:
+            answers.append(result)
+    return answers, errors
+
+
+async def gather_errors(calls: list[Awaitable[object]]) -> list[str]:
+    """Run the calls at once; the messages of those that raised ReplicaError."""
+    return (await gather_answers(calls))[1]
 
 
 class WeightSync:
@@ -150,16 +167,22 @@ class WeightSync:
             return
         reason = f"weight sync to v{ready.version}"
         resume_version: int | None = None
+        engines_paused = False
         started = time.monotonic()
         renewals: asyncio.Task | None = None
         try:
             # Renewals start with the pause: draining may outlast one lease.
             renewals = asyncio.create_task(self._renew_forever(reason), name="lease-renewal")
             drain = self.settings.gateways.drain_timeout_s
-            errors = await gather_errors([g.pause(reason, drain) for g in self.gateways])
+            paused, errors = await gather_answers([g.pause(reason, drain) for g in self.gateways])
             result.drain_s = time.monotonic() - started
             if errors:
                 raise ReplicaError("; ".join(errors))
+            if self.settings.engines.in_flight == "retract" and not all(p.drained for p in paused):
+                engines_paused = True  # before the call: a lost answer still gets its continue
+                errors = await gather_errors([e.pause_generation() for e in self.engines])
+                if errors:
+                    raise ReplicaError("; ".join(errors))
             resume_version = await self._load(ready, served, result)
         except ReplicaError as exc:
             result.outcome, result.reason = result.outcome or "failed", str(exc)
@@ -168,6 +191,8 @@ class WeightSync:
                 renewals.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await renewals
+            if engines_paused:
+                await self._continue_engines(result)
             # Every gateway, paused or not: Resume is idempotent, and a gateway whose Pause
             # answer was lost may be paused all the same.
             errors = await gather_errors([g.resume(resume_version) for g in self.gateways])
@@ -179,6 +204,17 @@ class WeightSync:
                 log.error("resume failed (the pause lease will end it): %s", "; ".join(errors))
                 if result.outcome == "ok":
                     result.outcome, result.reason = "failed", "; ".join(errors)
+
+    async def _continue_engines(self, result: SyncResult) -> None:
+        """/continue_generation on every engine, whatever happened before: one left paused
+        would hold its requests. A failure fails the sync, so the stuck engine is seen; the
+        gateways still resume on the version the engines serve."""
+        errors = await gather_errors([e.continue_generation() for e in self.engines])
+        if errors:
+            log.error("engines not continued: %s", "; ".join(errors))
+            if result.outcome == "ok":
+                result.outcome = "failed"
+            result.reason = "; ".join([r for r in [result.reason, *errors] if r])
 
     async def _load(
         self, ready: VersionReady, served: list[EngineWeights], result: SyncResult
@@ -206,6 +242,7 @@ class WeightSync:
         for outcome in failed:
             if not isinstance(outcome, ReplicaError):
                 raise outcome
+        result.retracted = sum(o for o in outcomes if isinstance(o, int))
         if not failed:
             result.outcome = "ok"
             if result.broadcast_error:

@@ -116,8 +116,9 @@ class Engine:
             raise ReplicaError(f"engine {self.url}: /get_model_info failed: {exc}") from exc
         return EngineWeights(str(info.get("weight_version")), str(info.get("model_path")))
 
-    async def load(self, path: str, version: str) -> None:
-        """/update_weights_from_disk; ReplicaError with the engine's message when it fails."""
+    async def load(self, path: str, version: str) -> int:
+        """/update_weights_from_disk; how many paused generations go on under the new weights.
+        ReplicaError with the engine's message when it fails."""
         try:
             reply = await self._client.update_weights_from_disk(path, weight_version=version)
         except EngineError as exc:
@@ -126,3 +127,18 @@ class Engine:
             raise ReplicaError(
                 f"engine {self.url}: weight update refused: {reply.get('message', 'no message')}"
             )
+        return int(reply.get("num_paused_requests") or 0)
+
+    async def pause_generation(self) -> None:
+        """Retract the running generations (KV dropped, re-prefilled on continue) and admit
+        none: SGLang then applies a weight update at once instead of after them."""
+        try:
+            await self._client.pause_generation("retract")
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: /pause_generation failed: {exc}") from exc
+
+    async def continue_generation(self) -> None:
+        try:
+            await self._client.continue_generation()
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: /continue_generation failed: {exc}") from exc

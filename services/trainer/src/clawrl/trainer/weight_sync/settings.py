@@ -28,7 +28,11 @@ class GatewayTargets(Section):
         None, description="Bearer token of GatewayControl (the gateways' control.token)."
     )
     drain_timeout_s: float = Field(
-        60.0, gt=0, description="How long Pause waits for in-flight generations to finish."
+        0.25,
+        gt=0,
+        description="Drain budget: how long Pause waits for in-flight generations to finish "
+        "before the engines load (what happens to those still running: engines.in_flight). "
+        "Short, since it adds to the pause every user sees.",
     )
     lease_s: float = Field(
         10.0,
@@ -57,6 +61,15 @@ class EngineTargets(Section):
     port: int = Field(30010, gt=0, lt=65536, description="Engine HTTP port with `service`.")
     load_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for one /update_weights_from_disk."
+    )
+    in_flight: Literal["retract", "wait"] = Field(
+        "retract",
+        description="Generations still running when the drain budget ends: `retract` pauses "
+        "every engine (/pause_generation mode=retract), loads at once, then "
+        "/continue_generation: they go on under the new weights (such turns record both "
+        "versions and are masked, not trained) and the pause is about drain budget + load. "
+        "`wait`: the engines load once they finished (the pause lasts as long as the longest "
+        "generation).",
     )
 
 
