@@ -12,7 +12,10 @@ answers /generate at once, so only the gateway's own cost shows: the gateway row
 with the stand-in's /generate called directly.
 
     .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
-        [--max-tokens 6] [--rounds 2] [--instant-engine]
+        [--max-tokens 6] [--rounds 2] [--instant-engine] [--baseline main]
+
+`--baseline GIT_REF` adds `base` rows: a second gateway running that ref's code, against the same
+engine and Redis, in the same interleaved rounds (before and after of a change in one run).
 """
 
 from __future__ import annotations
@@ -52,6 +55,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def extract_baseline(ref: str, dest: Path) -> Path:
+    """The `services/` tree of git `ref` (e.g. `main`), unpacked under `dest`: a gateway run from
+    it is the "before" of a change, measured in the same run as the "after"."""
+    repo = Path(__file__).resolve().parents[2]
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", ref, "services"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def source_path(tree: Path) -> str:
+    """PYTHONPATH that makes the installed console scripts import `tree`'s packages."""
+    return os.pathsep.join(str(src) for src in sorted((tree / "services").glob("*/src")))
+
+
 def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -67,12 +87,14 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 18
 
 
 class Stack:
-    """redis-server, the CPU engine and the gateway as child processes."""
+    """redis-server, the engine (CPU or instant) and the gateway(s) as child processes."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
         self.procs: list[subprocess.Popen] = []
         self.named: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+        self.baseline_url: str | None = None
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
@@ -87,9 +109,10 @@ class Stack:
         """CPU time (user + system) used so far by the engine and the gateway."""
         return {name: process_cpu_s(proc.pid) for name, proc in self.named.items()}
 
-    def start(self, instant: bool = False) -> tuple[str, str]:
+    def start(self, instant: bool = False, baseline: Path | None = None) -> tuple[str, str]:
+        """Start everything; (engine URL, gateway URL). With `baseline` (a source tree) a second
+        gateway, `gateway-base`, runs that tree's code against the same engine and Redis."""
         redis_port, engine_port = free_port(), free_port()
-        gateway_port, grpc_port = free_port(), free_port()
         redis = shutil.which("redis-server") or "redis-server"
         self.spawn(
             "redis",
@@ -110,19 +133,37 @@ class Stack:
                 *("--port", str(engine_port), "--model", MODEL),
             ],
         )
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        gateway = self.spawn(
-            "gateway",
-            [
-                *(str(BIN / "clawrl-gateway"), "--host", "127.0.0.1", "--port", str(gateway_port)),
-                *("--grpc-port", str(grpc_port), "--model", MODEL, "--engine-url", engine_url),
-                *("--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
-            ],
-            env={"CLAWRL_CONFIG": "/nonexistent", "CLAWRL_SESSIONS__KEY_PREFIX": "bench"},
-        )
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        gateway_url = self.spawn_gateway("gateway", engine_url, redis_url)
+        if baseline is not None:
+            self.baseline_url = self.spawn_gateway(
+                "gateway-base", engine_url, redis_url, {"PYTHONPATH": source_path(baseline)}
+            )
         wait_http(f"{engine_url}/health", engine, "engine")
-        wait_http(f"{gateway_url}/readyz", gateway, "gateway")
+        for name, proc in self.named.items():
+            if name.startswith("gateway"):
+                wait_http(f"{self.urls[name]}/readyz", proc, name)
         return engine_url, gateway_url
+
+    def spawn_gateway(
+        self, name: str, engine_url: str, redis_url: str, env: dict | None = None
+    ) -> str:
+        port, grpc_port = free_port(), free_port()
+        self.spawn(
+            name,
+            [
+                *(str(BIN / "clawrl-gateway"), "--host", "127.0.0.1", "--port", str(port)),
+                *("--grpc-port", str(grpc_port), "--model", MODEL, "--engine-url", engine_url),
+                *("--redis-url", redis_url),
+            ],
+            env={
+                "CLAWRL_CONFIG": "/nonexistent",
+                "CLAWRL_SESSIONS__KEY_PREFIX": name,
+                **(env or {}),
+            },
+        )
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        return self.urls[name]
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -189,27 +230,35 @@ async def run(
         }
         for chat in chats
     ]
+    chat_path = "/v1/chat/completions"
+    gateways = {"gateway": gateway_url}
+    if stack is not None and stack.baseline_url:
+        gateways = {"base": stack.baseline_url, **gateways}
+    # name: (url, bodies, headers, the gateway process that serves it)
     targets = {
-        "engine /generate (ids)": (f"{engine_url}/generate", generates, {}),
+        "engine /generate (ids)": (f"{engine_url}/generate", generates, {}, ""),
         **(
             {}
             if args.instant_engine
-            else {"engine /v1/chat": (f"{engine_url}/v1/chat/completions", chats, {})}
-        ),
-        "gateway /v1/chat main": (f"{gateway_url}/v1/chat/completions", chats, {}),
-        "gateway /v1/chat side": (
-            f"{gateway_url}/v1/chat/completions",
-            chats,
-            {"X-Turn-Type": "side"},
+            else {"engine /v1/chat": (f"{engine_url}{chat_path}", chats, {}, "")}
         ),
     }
+    for label, url in gateways.items():
+        process = "gateway-base" if label == "base" else "gateway"
+        targets[f"{label} /v1/chat main"] = (f"{url}{chat_path}", chats, {}, process)
+        targets[f"{label} /v1/chat side"] = (
+            f"{url}{chat_path}",
+            chats,
+            {"X-Turn-Type": "side"},
+            process,
+        )
     results: dict[str, tuple[list[float], float, int]] = {name: ([], 0.0, 0) for name in targets}
     cpu: dict[str, dict[str, float]] = {name: {} for name in targets}
-    for url, bodies, headers in targets.values():  # warm every path up
+    for url, bodies, headers, _ in targets.values():  # warm every path up
         await load(url, bodies[: args.concurrency * 2], headers, args.concurrency)
     # Rounds interleave the targets so drift (CPU frequency, caches) hits all of them alike.
     for _ in range(args.rounds):
-        for name, (url, bodies, headers) in targets.items():
+        for name, (url, bodies, headers, _) in targets.items():
             cpu_before = stack.cpu_seconds() if stack else {}
             latencies, wall = await load(url, bodies, headers, args.concurrency)
             for proc, seconds in (stack.cpu_seconds() if stack else {}).items():
@@ -235,15 +284,15 @@ async def run(
         )
         rps, p50, p90, p99 = rows[name]
         per_request = {proc: 1e3 * seconds / count for proc, seconds in cpu[name].items()}
+        serving = targets[name][3] or "gateway"
         cpu_columns = "".join(
-            f" {per_request.get(proc, float('nan')):7.2f}"
-            for proc in ("engine", "gateway", "redis")
+            f" {per_request.get(proc, float('nan')):7.2f}" for proc in ("engine", serving, "redis")
         )
         print(f"{name:<24} {rps:8.1f} {p50:8.1f} {p90:8.1f} {p99:8.1f}            {cpu_columns}")
     base_name = "engine /generate (ids)" if args.instant_engine else "engine /v1/chat"
     base = rows[base_name]
     print(f"\ngateway vs {base_name} (goal: +<=2 ms p50, +<=10 ms p99, >=90% throughput)")
-    for name in ("gateway /v1/chat main", "gateway /v1/chat side"):
+    for name in [name for name in rows if targets[name][3]]:
         rps, p50, _, p99 = rows[name]
         print(
             f"  {name:<22} p50 {p50 - base[1]:+6.1f} ms   p99 {p99 - base[3]:+6.1f} ms   "
@@ -259,7 +308,7 @@ async def run(
     direct = [name for name in names if name.startswith("engine")]  # fmt: skip
     for _ in range(args.rounds):
         for name in names:
-            url, bodies, headers = targets[name]
+            url, bodies, headers, _ = targets[name]
             latencies, _ = await load(url, bodies[: args.serial_requests], headers, 1)
             serial.setdefault(name, []).extend(latencies)
     for name in direct:
@@ -338,6 +387,11 @@ def main() -> None:
     parser.add_argument(
         "--render-only", action="store_true", help="only the prompt-rendering comparison"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run a gateway from this git ref's code (e.g. main), side by side in one run",
+    )
     parser.add_argument("--engine-url", help="use a running engine (with --gateway-url)")
     parser.add_argument("--gateway-url", help="use a running gateway (with --engine-url)")
     args = parser.parse_args()
@@ -350,7 +404,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         stack = Stack(Path(tmp))
         try:
-            engine_url, gateway_url = stack.start(instant=args.instant_engine)
+            baseline = None
+            if args.baseline:
+                baseline = extract_baseline(args.baseline, Path(tmp) / "baseline")
+            engine_url, gateway_url = stack.start(instant=args.instant_engine, baseline=baseline)
             asyncio.run(run(args, engine_url, gateway_url, stack))
         finally:
             stack.stop()

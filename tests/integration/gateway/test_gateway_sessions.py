@@ -8,6 +8,7 @@ import uuid
 
 import httpx
 import pytest
+import redis
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 
@@ -52,6 +53,28 @@ def test_three_turn_session(gateway, session_id):
     assert first.model == "smollm2-tiny" and first.gateway_id == "main"
     assert first.created_at.seconds > 0 and first.finalized_at.seconds >= first.created_at.seconds
     assert json.loads(first.response_message_json)["role"] == "assistant"
+
+
+def test_a_main_request_costs_one_redis_round_trip(gateway, session_id):
+    """Finalising the session's previous turn and storing this one is one script call, seen by
+    Redis MONITOR (commands run inside a script are reported as `lua`, not as round trips)."""
+    headers = {"X-Session-Id": session_id}
+    first = gateway.chat([user("one")], headers=headers)  # also loads the scripts
+    assert first.status_code == 200
+    history = [user("one"), assistant(first.json()), user("two")]
+    client = redis.Redis.from_url(gateway.redis_url)
+    sentinel = f"sentinel-{uuid.uuid4().hex}"
+    with client.monitor() as monitor:
+        reply = gateway.chat(history, headers=headers)
+        assert reply.status_code == 200
+        client.get(sentinel)  # the turn is stored before the response: nothing comes later
+        seen = []
+        while sentinel not in (command := monitor.next_command())["command"]:
+            if command["client_type"] != "lua" and session_id in command["command"]:
+                seen.append(command["command"].split(" ", 1)[0].upper())
+    client.close()
+    assert seen == ["EVALSHA"]
+    assert [t.turn_id for t in gateway.wait_turns(session_id, 1)] == [f"{session_id}:0"]
 
 
 def test_session_keys_in_the_body_are_stripped_and_used(gateway, session_id):

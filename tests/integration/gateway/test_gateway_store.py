@@ -5,6 +5,7 @@ share one."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
@@ -42,28 +43,30 @@ def turn_bytes(text: str) -> bytes:
     return Turn(response_text=text).SerializeToString()
 
 
-async def store_turn(store, request_id, session_id, text="r", history="h", done=b""):
-    return await store.store(
+async def record(store, request_id, session_id=None, *, scope="-", prefixes=("h",), **turn):
+    return await store.record(
         request_id,
         session_id,
-        scope="-",
-        turn=turn_bytes(text),
-        history_hash=history,
+        scope=scope,
+        arrived=time.time(),
+        prefixes=list(prefixes),
+        next_state=NEXT,
+        mismatch=MISMATCH,
         superseded=SUPERSEDED,
-        done=done,
+        new_session_id=f"anon-{uuid.uuid4().hex}",
+        **turn,
+    )
+
+
+async def store_turn(store, request_id, session_id, text="r", history="h", done=b""):
+    return await record(
+        store, request_id, session_id, turn=turn_bytes(text), history_hash=history, done=done
     )
 
 
 async def advance(store, request_id, session_id=None, scope="-", prefixes=("h",)):
-    return await store.advance(
-        request_id,
-        session_id,
-        scope=scope,
-        prefixes=list(prefixes),
-        next_state=NEXT,
-        mismatch=MISMATCH,
-        new_session_id=f"anon-{uuid.uuid4().hex}",
-    )
+    """A request that stores no turn (it failed): it only finalises the pending one."""
+    return await record(store, request_id, session_id, scope=scope, prefixes=prefixes)
 
 
 async def test_a_retried_store_records_one_turn(store):
@@ -110,15 +113,13 @@ async def test_anonymous_histories_are_scoped_to_the_caller(store):
     reply = {"role": "assistant", "content": "hello"}
     history = extend_hash(hashes[-1], reply)
     for scope, request_id in (("alice", "a-0"), ("bob", "b-0")):
-        opened = await advance(store, request_id, scope=scope, prefixes=())
-        await store.store(
-            request_id + "s",
-            opened.session_id,
+        await record(
+            store,
+            request_id,
             scope=scope,
+            prefixes=(),
             turn=turn_bytes(scope),
             history_hash=history,
-            superseded=SUPERSEDED,
-            done=b"",
         )
     alice = await advance(store, "a-1", scope="alice", prefixes=(history,))
     bob = await advance(store, "b-1", scope="bob", prefixes=(history,))
@@ -132,16 +133,15 @@ async def test_anonymous_histories_are_scoped_to_the_caller(store):
 
 async def test_two_live_sessions_of_one_caller_on_one_history_are_not_guessed(store):
     for session_id in ("s1", "s2"):
-        stored = await store.store(
+        stored = await record(
+            store,
             f"req-{session_id}",
             session_id,
             scope="me",
             turn=turn_bytes(session_id),
             history_hash="same",
-            superseded=SUPERSEDED,
-            done=b"",
         )
-    assert stored.ambiguous  # the second claim
+    assert stored.claim_ambiguous  # the second claim
     follow_up = await advance(store, "req-3", scope="me", prefixes=("same",))
     assert follow_up.ambiguous and follow_up.session_id.startswith("anon-")
     assert follow_up.finalized_turn_id is None
@@ -149,16 +149,8 @@ async def test_two_live_sessions_of_one_caller_on_one_history_are_not_guessed(st
     # Sequential sessions with one opening are not ambiguous: the first one moved on.
     await store_turn(store, "req-6", "t1", history="opening")
     await store.finalize("req-7", "t1", DONE)
-    second = await store.store(
-        "req-8",
-        "t2",
-        scope="-",
-        turn=turn_bytes("t2"),
-        history_hash="opening",
-        superseded=SUPERSEDED,
-        done=b"",
-    )
-    assert not second.ambiguous
+    second = await store_turn(store, "req-8", "t2", text="t2", history="opening")
+    assert not second.claim_ambiguous
     assert (await advance(store, "req-9", prefixes=("opening",))).session_id == "t2"
 
 
@@ -169,15 +161,51 @@ async def test_next_state_holds_every_message_after_the_reply(store):
         {"role": "tool", "tool_call_id": "b", "content": "2"},
         {"role": "user", "content": "thanks"},
     ]
-    await store.advance(
+    await store.record(
         "req-1",
         "s",
         scope="-",
+        arrived=time.time(),
         prefixes=["h"],
         next_state=finalize_extra("g", FinalizeReason.FINALIZE_REASON_NEXT_STATE, messages),
         mismatch=MISMATCH,
+        superseded=SUPERSEDED,
         new_session_id="unused",
     )
     [turn] = await published(store)
     assert [json.loads(m) for m in turn.next_state_messages_json] == messages
     assert json.loads(turn.next_state_json) == messages[-1]
+
+
+async def test_a_turn_stored_after_a_request_arrived_is_superseded_not_answered(store):
+    """Two requests of one session in flight at once: the later-finishing one is not the next
+    state of its sibling's turn (stored while it was generating); that turn is superseded."""
+    arrived = time.time()
+    await store_turn(store, "req-0", "s")  # the sibling finished first
+    late = await store.record(
+        "req-1",
+        "s",
+        scope="-",
+        arrived=arrived,
+        prefixes=["h"],
+        next_state=NEXT,
+        mismatch=MISMATCH,
+        superseded=SUPERSEDED,
+        new_session_id="unused",
+        turn=turn_bytes("late"),
+        history_hash="h1",
+    )
+    assert late.superseded_turn_id == "s:0" and late.finalized_turn_id is None
+    assert late.turn_id == "s:1"
+    [turn] = await published(store)
+    assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_SUPERSEDED
+    assert not turn.next_state_json
+
+
+async def test_a_failed_request_still_answers_and_closes_its_session(store):
+    await store_turn(store, "req-0", "s")
+    failed = await record(store, "req-1", "s", done=DONE)
+    assert failed.finalized_turn_id == "s:0" and failed.turn_id is None
+    [turn] = await published(store)
+    assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
+    assert await store.redis.zscore(store.active_key, "s") is None

@@ -21,12 +21,19 @@ from redis.exceptions import RedisError
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from clawrl.common.records import Turn
 from clawrl.gateway.metrics import GatewayMetrics
-from clawrl.gateway.sessions import SessionStore, assistant_prefixes, extend_hash, history_hashes
+from clawrl.gateway.sessions import (
+    Recorded,
+    SessionStore,
+    assistant_prefixes,
+    extend_hash,
+    history_hashes,
+)
 
 log = logging.getLogger(__name__)
 
 # Failures worth degrading on, not crashing: Redis down or slow, a script error.
 RECORDING_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+MISMATCH = Turn(history_mismatch=True).SerializeToString()
 
 
 def next_state_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,17 +57,18 @@ def policy_version_of(weight_version: str, gate_version: int) -> int:
 
 @dataclass
 class TurnContext:
-    """A main request's session as resolved when it arrived."""
+    """A main request's session as known when it arrived."""
 
-    request_id: str  # keys the session scripts' writes, so a retried write is a no-op
-    session_id: str  # "" until resolved, when the client sent none
+    request_id: str  # keys the record script's write, so a retried write is a no-op
+    session_id: str  # "" until recorded, when the client sent none
     explicit: bool  # the client named the session
     scope: str  # caller_scope of the client: its anonymous conversations' namespace
     hashes: list[str]  # history_hashes of the request's messages
     prefixes: list[str]  # assistant_prefixes: histories this request may continue
     next_state: list[dict[str, Any]]  # next_state_messages of the request
     done: bool
-    ready: asyncio.Task | None = None  # the advance step, overlapping the generation
+    arrived: float = field(default_factory=time.time)  # turns stored later are siblings
+    settled: bool = False  # recorded (or abandoned): nothing more to write for it
 
 
 @dataclass
@@ -150,6 +158,7 @@ class Recorder:
         self.idle_timeout_s = idle_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self.sweep_batch = sweep_batch
+        self._background: set[asyncio.Task] = set()
 
     def _failed(self, stage: str, exc: BaseException, session_id: str | None = None) -> None:
         self.metrics.recording_failures.labels(stage).inc()
@@ -175,11 +184,10 @@ class Recorder:
         scope: str,
         done: bool,
     ) -> TurnContext:
-        """Start resolving the session of a main request (in the background, so it overlaps
-        the generation): find it by history when no id was sent, then finalise its pending
-        turn with this request's next state."""
+        """What a main request's recording needs from the request itself (pure: Redis is
+        written once, when the request ends, by `finish` or `abandon`)."""
         hashes = history_hashes(messages)
-        context = TurnContext(
+        return TurnContext(
             request_id=request_id,
             session_id=session_id or "",
             explicit=session_id is not None,
@@ -189,30 +197,71 @@ class Recorder:
             next_state=next_state_messages(raw_messages),
             done=done,
         )
-        context.ready = asyncio.create_task(self._advance(context))
-        return context
 
-    async def _advance(self, context: TurnContext) -> bool:
-        anonymous = not context.explicit
+    async def finish(self, context: TurnContext, served: ServedTurn) -> str | None:
+        """Finalise the session's pending turn with this request's next state and store the
+        served turn as pending (or publish it at once when the session is done), in one round
+        trip; returns its turn id, None when recording failed."""
+        result = await self._record(context, served)
+        if result is None:
+            return None
+        self.metrics.turns_recorded.inc()
+        if result.claim_ambiguous:
+            self._ambiguous("claim", context.session_id)
+        if context.done:
+            self._finalized("done", result.turn_id)
+        return result.turn_id
+
+    async def abandon(self, context: TurnContext) -> None:
+        """A main request that failed (or whose client left) records no turn, but it is still
+        the next state of the session's pending turn, and X-Session-Done still closes it."""
+        await self._record(context, None)
+
+    def abandon_soon(self, context: TurnContext) -> None:
+        """`abandon` in the background, for a stream whose client left mid-response."""
+        if context.settled:
+            return
+        task = asyncio.create_task(self.abandon(context))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record(self, context: TurnContext, served: ServedTurn | None) -> Recorded | None:
+        if context.settled:
+            return None
+        context.settled = True
+        if not context.session_id:
+            context.session_id = f"anon-{uuid.uuid4().hex}"  # used unless a session matches
+        if served is None:
+            turn, history_hash = b"", ""
+        else:
+            turn = pending_turn(context.session_id, context.request_id, served)
+            history_hash = extend_hash(context.hashes[-1], served.response_message)
         try:
-            result = await self.store.advance(
+            result = await self.store.record(
                 context.request_id,
                 context.session_id if context.explicit else None,
                 scope=context.scope,
+                arrived=context.arrived,
                 prefixes=context.prefixes if context.explicit or self.anonymous_matching else (),
                 next_state=finalize_extra(
                     self.gateway_id, FinalizeReason.FINALIZE_REASON_NEXT_STATE, context.next_state
                 ),
-                mismatch=Turn(history_mismatch=True).SerializeToString(),
-                new_session_id=f"anon-{uuid.uuid4().hex}",
+                mismatch=MISMATCH,
+                superseded=finalize_extra(
+                    self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
+                ),
+                new_session_id=context.session_id,
+                turn=turn,
+                history_hash=history_hash,
+                done=finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
+                if context.done
+                else b"",
             )
         except RECORDING_ERRORS as exc:
-            if not context.session_id:
-                context.session_id = f"anon-{uuid.uuid4().hex}"
-            self._failed("advance", exc, context.session_id)
-            return False
+            self._failed("record", exc, context.session_id)
+            return None
         context.session_id = result.session_id
-        if anonymous and result.ambiguous:
+        if not context.explicit and result.ambiguous:
             self._ambiguous("new_session", context.session_id)
         if result.finalized_turn_id:
             self._finalized("next_state", result.finalized_turn_id)
@@ -224,7 +273,9 @@ class Recorder:
                     result.finalized_turn_id,
                     extra={"session_id": context.session_id},
                 )
-        return True
+        if result.superseded_turn_id:
+            self._finalized("superseded", result.superseded_turn_id)
+        return result
 
     def _ambiguous(self, event: str, session_id: str) -> None:
         self.metrics.ambiguous_histories.labels(event).inc()
@@ -235,50 +286,6 @@ class Recorder:
             else "anonymous follow-ups of it will start new sessions",
             extra={"session_id": session_id},
         )
-
-    async def session_of(self, context: TurnContext) -> str:
-        """The resolved session id (waits for the advance step)."""
-        if context.ready is not None:
-            await context.ready
-        return context.session_id
-
-    async def finish(self, context: TurnContext, served: ServedTurn) -> str | None:
-        """Store the served turn as the session's pending one (or publish it at once when the
-        session is done); returns its turn id, None when recording failed."""
-        if context.ready is not None and not await context.ready:
-            # The advance step failed, so a previous turn may still be pending; storing now
-            # would finalise it as superseded instead of with its next state. Redis may be
-            # back: advance once more, and record nothing if it still fails.
-            if not await self._advance(context):
-                return None
-        done = (
-            finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
-            if context.done
-            else b""
-        )
-        try:
-            stored = await self.store.store(
-                context.request_id,
-                context.session_id,
-                scope=context.scope,
-                turn=pending_turn(context.session_id, context.request_id, served),
-                history_hash=extend_hash(context.hashes[-1], served.response_message),
-                superseded=finalize_extra(
-                    self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
-                ),
-                done=done,
-            )
-        except RECORDING_ERRORS as exc:
-            self._failed("store", exc, context.session_id)
-            return None
-        self.metrics.turns_recorded.inc()
-        if stored.superseded_turn_id:
-            self._finalized("superseded", stored.superseded_turn_id)
-        if stored.ambiguous:
-            self._ambiguous("claim", context.session_id)
-        if context.done:
-            self._finalized("done", stored.turn_id)
-        return stored.turn_id
 
     async def close(self, request_id: str, session_id: str) -> str | None:
         """X-Session-Done on a request that records nothing: finalise the pending turn."""

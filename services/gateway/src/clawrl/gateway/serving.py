@@ -325,14 +325,14 @@ class ChatService:
     async def _abandon(
         self, request: ChatRequest, request_id: str, turn: TurnContext | None
     ) -> None:
-        """A request that failed still closes its session when it said so."""
-        if self.recorder is None or not request.session.session_done:
+        """A failed main request is still its session's next state; a failed request that said
+        X-Session-Done still closes its session."""
+        if self.recorder is None:
             return
-        session_id = request.session.session_id
         if turn is not None:
-            session_id = await self.recorder.session_of(turn)
-        if session_id:
-            await self.recorder.close(request_id, session_id)
+            await self.recorder.abandon(turn)
+        elif request.session.session_done and request.session.session_id:
+            await self.recorder.close(request_id, request.session.session_id)
 
     # --- non-streaming ------------------------------------------------------------------
 
@@ -406,8 +406,13 @@ class ChatService:
             await events.aclose()
             await admission.aclose()
 
+        async def end() -> None:
+            await release()
+            if turn is not None and self.recorder is not None:
+                self.recorder.abandon_soon(turn)  # no-op unless the client left mid-stream
+
         stream = StreamState(request, request_id, turn, prompt_ids, gate_version)
-        return OpenStream(self._sse(stream, first, events, release), release)
+        return OpenStream(self._sse(stream, first, events, release), end)
 
     async def _sse(
         self,

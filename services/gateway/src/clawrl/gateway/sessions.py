@@ -4,7 +4,7 @@ Keys (prefix `clawrl:gw` by default):
 - `{p}:s:{session_id}` hash, TTL refreshed on each request: `next` (index of the session's next
   main turn), and while a turn awaits its next state: `turn` (the serialised `Turn`, without
   turn id/index or finalisation fields), `tid` (its turn id), `hist` (hash of the history it
-  ends, assistant reply included).
+  ends, assistant reply included), `at` (when it was stored).
 - `{p}:active` sorted set: session id -> time of last request; every replica sweeps it for
   sessions idle past the timeout.
 - `{p}:c:{scope}:{history_hash}` -> session id: the conversation of one caller (`scope`, a hash
@@ -40,7 +40,7 @@ from redis.asyncio import Redis
 from clawrl.common.records import Turn
 
 TURN_TYPE = Turn.DESCRIPTOR.full_name
-SCRIPTS = ("advance", "store", "finalize")
+SCRIPTS = ("record", "finalize")
 
 
 def load_script(name: str) -> str:
@@ -117,18 +117,16 @@ def caller_scope(credential: str | None, user: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class Advanced:
+class Recorded:
+    """What the record script did for one main request."""
+
     session_id: str
-    finalized_turn_id: str | None
-    history_mismatch: bool
+    finalized_turn_id: str | None  # the turn this request is the next state of
+    history_mismatch: bool  # ... whose history this request does not extend
     ambiguous: bool  # an anonymous history claimed by two live sessions: a new one was started
-
-
-@dataclass(frozen=True)
-class Stored:
-    turn_id: str
-    superseded_turn_id: str | None
-    ambiguous: bool  # another live session of the caller ends the same history
+    turn_id: str | None  # this request's turn (None when it failed and stored nothing)
+    superseded_turn_id: str | None  # a concurrent request's turn, stored after this one arrived
+    claim_ambiguous: bool  # another live session of the caller ends the same history
 
 
 class SessionStore:
@@ -164,21 +162,29 @@ class SessionStore:
     def _keys(self, request_id: str, step: str) -> list[str]:
         return [self.active_key, self.stream, f"{self.prefix}:r:{request_id}:{step}"]
 
-    async def advance(
+    async def record(
         self,
         request_id: str,
         session_id: str | None,
         *,
         scope: str,
+        arrived: float,
         prefixes: Sequence[str],
         next_state: bytes,
         mismatch: bytes,
+        superseded: bytes,
         new_session_id: str,
-    ) -> Advanced:
-        """Resolve the request's session (by `prefixes` when it sent none: `new_session_id` when
-        no live conversation of the caller matches) and finalise its pending turn."""
-        sid, tid, mismatched, ambiguous = await self._scripts["advance"](
-            keys=self._keys(request_id, "advance"),
+        turn: bytes = b"",
+        history_hash: str = "",
+        done: bytes = b"",
+    ) -> Recorded:
+        """One main request in one round trip: resolve its session (by `prefixes` when it sent
+        none: `new_session_id` when no live conversation of the caller matches), finalise the
+        turn pending there (with `next_state`, or as superseded when it was stored after
+        `arrived`), then store `turn` (none: the request failed) as pending, or publish it with
+        `done` appended. A failed request with `done` closes its session."""
+        sid, tid, mismatched, ambiguous, turn_id, old, claim = await self._scripts["record"](
+            keys=self._keys(request_id, "record"),
             args=[
                 self.prefix,
                 session_id or "",
@@ -191,38 +197,22 @@ class SessionStore:
                 mismatch,
                 new_session_id,
                 self.dedupe_ttl_s,
-            ],
-        )
-        return Advanced(_text(sid), _text(tid) or None, bool(mismatched), bool(ambiguous))
-
-    async def store(
-        self,
-        request_id: str,
-        session_id: str,
-        *,
-        scope: str,
-        turn: bytes,
-        history_hash: str,
-        superseded: bytes,
-        done: bytes,
-    ) -> Stored:
-        tid, old, ambiguous = await self._scripts["store"](
-            keys=self._keys(request_id, "store"),
-            args=[
-                self.prefix,
-                session_id,
-                scope,
-                time.time(),
-                self.ttl_s,
-                self.maxlen,
+                arrived,
+                superseded,
                 turn,
                 history_hash,
-                superseded,
                 done,
-                self.dedupe_ttl_s,
             ],
         )
-        return Stored(_text(tid), _text(old) or None, bool(ambiguous))
+        return Recorded(
+            session_id=_text(sid),
+            finalized_turn_id=_text(tid) or None,
+            history_mismatch=bool(mismatched),
+            ambiguous=bool(ambiguous),
+            turn_id=_text(turn_id) or None,
+            superseded_turn_id=_text(old) or None,
+            claim_ambiguous=bool(claim),
+        )
 
     async def finalize(
         self, request_id: str, session_id: str, extra: bytes, idle_cutoff: float | None = None

@@ -44,6 +44,6 @@ local function finalize_pending(skey, stream, maxlen, extra)
   if not turn then return '' end
   local tid = redis.call('HGET', skey, 'tid')
   publish(stream, maxlen, tid, turn .. extra)
-  redis.call('HDEL', skey, 'turn', 'tid', 'hist')
+  redis.call('HDEL', skey, 'turn', 'tid', 'hist', 'at')
   return tid
 end

@@ -1,0 +1,84 @@
+-- A main request, once served (or failed): resolve its session, finalise the turn pending there
+-- with this request's next state, and store the request's own turn as the session's pending one
+-- (or publish it at once when the session is done). One script, so recording a request costs one
+-- Redis round trip.
+-- A turn stored after this request arrived is a concurrent sibling, not the turn this request
+-- answers: it is finalised as superseded, never given this request's next state.
+-- KEYS: active, stream, request key.
+-- ARGV: 1 prefix, 2 session_id ('' = anonymous), 3 scope, 4 now, 5 ttl, 6 maxlen,
+--       7 prefixes (space-separated history hashes ending at an assistant reply, longest first),
+--       8 next-state extra, 9 mismatch extra, 10 new session id (for an anonymous request
+--       nobody claims), 11 dedupe ttl, 12 arrival time of the request, 13 superseded extra,
+--       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
+--       reply), 16 done extra ('' = keep the turn pending).
+-- Returns {session id, finalised turn id or '', history mismatch 0/1, ambiguous history 0/1,
+--          turn id or '', superseded turn id or '', ambiguous claim 0/1}.
+local earlier = replayed()
+if earlier then return earlier end
+local sid = ARGV[2]
+local result = {sid, '', 0, 0, '', '', 0}
+if sid == '' then
+  -- The caller's conversation that ends with the longest recorded reply in this history. Two
+  -- live sessions claiming one history ('*') are not guessed between: a new session starts.
+  for h in string.gmatch(ARGV[7], '%S+') do
+    local owner = redis.call('GET', conversation_key(ARGV[3], h))
+    if owner == '*' then result[4] = 1; break end
+    if owner then sid = owner; break end
+  end
+  if sid == '' then sid = ARGV[10] end
+  result[1] = sid
+end
+local skey = session_key(sid)
+
+local hist = redis.call('HGET', skey, 'hist')
+if hist then
+  local at = tonumber(redis.call('HGET', skey, 'at') or '0')
+  if at > tonumber(ARGV[12]) then
+    result[6] = finalize_pending(skey, KEYS[2], ARGV[6], ARGV[13])
+  else
+    local extra = ARGV[8] .. ARGV[9]
+    result[3] = 1
+    for h in string.gmatch(ARGV[7], '%S+') do
+      if h == hist then extra = ARGV[8]; result[3] = 0; break end
+    end
+    result[2] = finalize_pending(skey, KEYS[2], ARGV[6], extra)
+  end
+end
+
+if ARGV[14] == '' then
+  -- A failed request stores nothing; one that closed its session takes it off the idle set.
+  if ARGV[16] ~= '' then
+    redis.call('ZREM', KEYS[1], sid)
+  elseif redis.call('EXISTS', skey) == 1 then
+    redis.call('ZADD', KEYS[1], ARGV[4], sid)
+    redis.call('EXPIRE', skey, ARGV[5])
+  end
+  return remember(result, ARGV[11])
+end
+
+local index = redis.call('HINCRBY', skey, 'next', 1) - 1
+local tid = sid .. ':' .. index
+-- turn_id (field 1, string) and turn_index (field 3, varint) merge into the stored bytes.
+local turn = '\10' .. varint(#tid) .. tid .. '\24' .. varint(index) .. ARGV[14]
+result[5] = tid
+if ARGV[16] ~= '' then
+  publish(KEYS[2], ARGV[6], tid, turn .. ARGV[16])
+  redis.call('ZREM', KEYS[1], sid)
+else
+  redis.call('HSET', skey, 'turn', turn, 'tid', tid, 'hist', ARGV[15], 'at', ARGV[4])
+  redis.call('ZADD', KEYS[1], ARGV[4], sid)
+  -- Claim the history for the caller's anonymous follow-ups. Another session of the same
+  -- caller whose pending turn ends the same history makes it ambiguous.
+  local ckey = conversation_key(ARGV[3], ARGV[15])
+  local owner = redis.call('GET', ckey)
+  local claim = sid
+  if owner == '*' then
+    claim = '*'
+  elseif owner and owner ~= sid and redis.call('HGET', session_key(owner), 'hist') == ARGV[15] then
+    claim = '*'
+  end
+  if claim == '*' then result[7] = 1 end
+  redis.call('SET', ckey, claim, 'EX', ARGV[5])
+end
+redis.call('EXPIRE', skey, ARGV[5])
+return remember(result, ARGV[11])
