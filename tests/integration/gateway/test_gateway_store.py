@@ -127,8 +127,11 @@ async def test_anonymous_histories_are_scoped_to_the_caller(store):
     assert alice.finalized_turn_id and bob.finalized_turn_id
     assert alice.session_id != bob.session_id
     assert stranger.finalized_turn_id is None and not stranger.ambiguous
-    texts = {t.turn_id: t.response_text for t in await published(store)}
+    turns = await published(store)
+    texts = {t.turn_id: t.response_text for t in turns}
     assert texts == {f"{alice.session_id}:0": "alice", f"{bob.session_id}:0": "bob"}
+    # The session id in the record is the one the script resolved.
+    assert {t.session_id for t in turns} == {alice.session_id, bob.session_id}
 
 
 async def test_two_live_sessions_of_one_caller_on_one_history_are_not_guessed(store):

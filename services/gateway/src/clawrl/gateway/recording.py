@@ -114,10 +114,10 @@ def finalize_extra(
     return turn.SerializeToString()
 
 
-def pending_turn(session_id: str, request_id: str, served: ServedTurn) -> bytes:
-    """A served turn as stored while it waits for its next state (the store adds id/index)."""
+def pending_turn(request_id: str, served: ServedTurn) -> bytes:
+    """A served turn as stored while it waits for its next state (the record script adds its
+    session id, turn id and index: an anonymous request's session is only known in there)."""
     return Turn(
-        session_id=session_id,
         request_id=request_id,
         model=served.model,
         policy_version=served.policy_version,
@@ -234,7 +234,7 @@ class Recorder:
         if served is None:
             turn, history_hash = b"", ""
         else:
-            turn = pending_turn(context.session_id, context.request_id, served)
+            turn = pending_turn(context.request_id, served)
             history_hash = extend_hash(context.hashes[-1], served.response_message)
         try:
             result = await self.store.record(

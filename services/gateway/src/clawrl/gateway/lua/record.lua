@@ -58,8 +58,10 @@ end
 
 local index = redis.call('HINCRBY', skey, 'next', 1) - 1
 local tid = sid .. ':' .. index
--- turn_id (field 1, string) and turn_index (field 3, varint) merge into the stored bytes.
-local turn = '\10' .. varint(#tid) .. tid .. '\24' .. varint(index) .. ARGV[14]
+-- turn_id (field 1, string), session_id (field 2, string) and turn_index (field 3, varint)
+-- merge into the stored bytes.
+local turn = '\10' .. varint(#tid) .. tid .. '\18' .. varint(#sid) .. sid .. '\24' .. varint(index)
+  .. ARGV[14]
 result[5] = tid
 if ARGV[16] ~= '' then
   publish(KEYS[2], ARGV[6], tid, turn .. ARGV[16])
