@@ -176,12 +176,13 @@ def main() -> None:
           f"max_tokens {args.max_tokens}; request p50 {p50:.2f}s over {len(clients.records)} "
           f"requests ({failed} failed); early-load p50 {early:.2f}s")  # fmt: skip
     print(f"{'sync':>4} {'rc':>3} {'outcome':>8} {'pause_s':>8} {'drain_s':>8} {'load_s':>7} "
-          f"{'held':>5} {'mean_hold_s':>11} {'max_req_s':>9}")  # fmt: skip
+          f"{'retracted':>9} {'held':>5} {'mean_hold_s':>11} {'max_req_s':>9}")  # fmt: skip
     for version, result, code, n_held, s_held, during in rows:
         mean_hold = s_held / n_held if n_held else 0.0
         longest = max((d for _, d, _ in during), default=0.0)
         print(f"{version:>4} {code:>3} {result.outcome:>8} {result.pause_s:>8.3f} "
-              f"{result.drain_s:>8.3f} {result.load_s:>7.3f} {n_held:>5.0f} {mean_hold:>11.3f} "
+              f"{result.drain_s:>8.3f} {result.load_s:>7.3f} {result.retracted:>9} "
+              f"{n_held:>5.0f} {mean_hold:>11.3f} "
               f"{longest:>9.2f}")  # fmt: skip
     print(f"(servers' log: {work / 'servers.log'})")
 

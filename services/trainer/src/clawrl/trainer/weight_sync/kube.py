@@ -87,39 +87,99 @@ def load_template(path: Path) -> dict[str, Any]:
     return template
 
 
+def batch_api() -> Any:
+    """The BatchV1Api of the pod's service account, else of the local kubeconfig."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.BatchV1Api()
+
+
+def api_errors() -> tuple[type[Exception], ...]:
+    """What a kubernetes client call raises when the API refuses it or cannot be reached
+    (imported late: the client is slow to import and `run` does not need it)."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    return (ApiException, HTTPError)
+
+
 class KubernetesLauncher:
-    """Runs each sync as a Job and waits for it; returns 0 when it succeeded."""
+    """Runs each sync as a Job and waits for it; returns 0 when it succeeded. The API errors
+    it meets are logged and end the attempt with 1 (the watcher retries, counts it crashed);
+    a Job that outlives its deadline, or whose launcher stops, is deleted."""
 
-    def __init__(self, template: dict[str, Any], namespace: str | None, timeout_s: float):
-        from kubernetes import client, config
-
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.api = client.BatchV1Api()
+    def __init__(
+        self,
+        template: dict[str, Any],
+        namespace: str | None,
+        timeout_s: float,
+        *,
+        api: Any = None,
+        poll_s: float = 2.0,
+        grace_s: float = 60.0,
+    ):
+        self.api = api if api is not None else batch_api()
+        self.errors = api_errors()
         self.template = template
         self.namespace = namespace or NAMESPACE_FILE.read_text().strip()
         self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.grace_s = grace_s  # past activeDeadlineSeconds: time for Kubernetes to end it
 
     async def __call__(self, ready: VersionReady) -> int:
         job = build_job(self.template, ready, timeout_s=self.timeout_s, suffix=secrets.token_hex(3))
         name = job["metadata"]["name"]
-        await asyncio.to_thread(self.api.create_namespaced_job, self.namespace, job)
+        try:
+            await asyncio.to_thread(self.api.create_namespaced_job, self.namespace, job)
+        except self.errors as exc:
+            log.error("cannot create Job %s/%s: %s", self.namespace, name, describe(exc))
+            return 1
         log.info("created Job %s/%s for v%d", self.namespace, name, ready.version)
-        deadline = time.monotonic() + self.timeout_s + 60
+        try:
+            return await self._wait(name)
+        except asyncio.CancelledError:
+            # The launcher stops: so does the sync (its pod gets SIGTERM and resumes the
+            # gateways).
+            await asyncio.shield(self._delete(name, "the launcher is stopping"))
+            raise
+
+    async def _wait(self, name: str) -> int:
+        deadline = time.monotonic() + self.timeout_s + self.grace_s
         while time.monotonic() < deadline:
-            await asyncio.sleep(2)
-            status = (
-                await asyncio.to_thread(self.api.read_namespaced_job_status, name, self.namespace)
-            ).status
-            if status.succeeded:
+            await asyncio.sleep(self.poll_s)
+            try:
+                job = await asyncio.to_thread(
+                    self.api.read_namespaced_job_status, name, self.namespace
+                )
+            except self.errors as exc:  # an API server hiccup: the Job runs on; ask again
+                log.warning("cannot read Job %s: %s", name, describe(exc))
+                continue
+            if job.status.succeeded:
                 return 0
-            if status.failed:
+            if job.status.failed:
                 log.error("Job %s failed (its log and the results stream say why)", name)
                 return 1
-        log.error("Job %s did not finish in time; deleting it", name)
-        await asyncio.to_thread(
-            self.api.delete_namespaced_job, name, self.namespace, propagation_policy="Background"
-        )
+        await self._delete(name, "it did not finish in time")
         return 1
+
+    async def _delete(self, name: str, why: str) -> None:
+        log.error("deleting Job %s/%s: %s", self.namespace, name, why)
+        try:
+            await asyncio.to_thread(
+                self.api.delete_namespaced_job,
+                name,
+                self.namespace,
+                propagation_policy="Background",
+            )
+        except self.errors as exc:
+            log.error("cannot delete Job %s/%s: %s", self.namespace, name, describe(exc))
+
+
+def describe(exc: Exception) -> str:
+    """An API error in one line: its status and reason, else the exception."""
+    status = getattr(exc, "status", None)
+    return f"{status} {getattr(exc, 'reason', '')}".strip() if status else repr(exc)
