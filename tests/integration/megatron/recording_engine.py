@@ -18,10 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import torch
 from aiohttp import web
 
-from clawrl.trainer.megatron.nccl_sync import join_group
+from clawrl.common.process_groups import join_group, receive_broadcast
 
 
 @contextmanager
@@ -59,12 +58,8 @@ def make_app(device: str = "cpu") -> web.Application:
         return web.json_response({"success": True, "message": "joined"})
 
     def receive(body: dict) -> list[float]:
-        sums = []
-        for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            torch.distributed.broadcast(tensor, src=0, group=state["group"])
-            sums.append(float(tensor.double().sum()))
-        return sums
+        tensors = receive_broadcast(state["group"], body["dtypes"], body["shapes"], device)
+        return [float(tensor.double().sum()) for tensor in tensors]
 
     async def update(request: web.Request) -> web.Response:
         body = await request.json()

@@ -1,16 +1,22 @@
 """The broadcast weight sync (trainer side) against two recording engines in their own
 processes: the HTTP calls SGLang expects, rank offsets, bucketing, the version only on the
-last bucket, and every tensor really received (checked by checksum)."""
+last bucket, and every tensor really received (checked by checksum); and against the CPU
+engine, which receives over gloo and then serves the broadcast weights."""
 
 from __future__ import annotations
+
+import uuid
 
 import httpx
 import pytest
 import torch
 
+from clawrl.engine.cpu.runner import read_checkpoint
 from clawrl.trainer.megatron.nccl_sync import BroadcastSender, Engine, make_buckets, rank_offsets
 from tests.conftest import free_port
 from tests.integration.megatron.recording_engine import recording_engines
+from tests.integration.weight_sync.conftest import engine, export_checkpoint, tiny_dir  # noqa: F401
+from tests.integration.weight_sync.test_weight_sync_job import engine_weights
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +80,42 @@ async def test_broadcast_reaches_every_engine_bucket_by_bucket(engines):
         received = [s for c in updates for s in c["sums"]]
         expected = [float(t.double().sum()) for _, t in named]
         assert received == pytest.approx(expected, rel=1e-12, abs=1e-9)
+
+
+def load_from_disk(url: str, path, version: str) -> dict:
+    body = {"model_path": str(path), "weight_version": version}
+    return httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=120).json()
+
+
+async def test_the_cpu_engine_receives_the_broadcast_and_serves_it(engine, tmp_path):  # noqa: F811
+    """The CPU engine's /init_weights_update_group + /update_weights_from_distributed (gloo):
+    the broadcast weights serve exactly what the same checkpoint loaded from disk serves, and
+    a bucket that does not fit the model is refused with the old weights left serving."""
+    checkpoint = export_checkpoint(tmp_path / "v5", 1.5)
+    scaled = sorted(read_checkpoint(checkpoint).items())
+
+    async def broadcast(named, version: int) -> int:
+        sender = BroadcastSender([Engine(engine)], "127.0.0.1", free_port(),
+                                 group_name=f"test-{uuid.uuid4().hex[:6]}", backend="gloo",
+                                 bucket_bytes=1 << 20)  # fmt: skip
+        try:
+            await sender.connect()
+            return await sender.send(named, version)
+        finally:
+            await sender.aclose()
+
+    try:
+        _, before = engine_weights(engine)
+        assert await broadcast(scaled, 5) > 1
+        version, received = engine_weights(engine)
+        assert version == "5" and received != before
+        assert load_from_disk(engine, checkpoint, "6")["success"]
+        assert engine_weights(engine) == ("6", received)
+
+        name, tensor = scaled[0]
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            await broadcast([(name, tensor[:-1])], 7)
+        assert engine_weights(engine) == ("6", received)
+    finally:  # the other tests of this engine expect its initial weights
+        load_from_disk(engine, tiny_dir(), "0")
+    assert engine_weights(engine) == ("0", before)

@@ -143,3 +143,27 @@ def test_chat_refuses_n_and_empty_messages():
         )
     with pytest.raises(RequestError, match="messages"):
         parse(ChatCompletionRequest, {"messages": []})
+
+
+def test_weight_broadcast_bodies_use_sglang_names_and_are_checked():
+    from clawrl.engine.protocol import (
+        InitWeightsUpdateGroupRequest,
+        UpdateWeightsFromDistributedRequest,
+    )
+
+    init = parse(InitWeightsUpdateGroupRequest, {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+        "group_name": "g", "backend": "gloo"})  # fmt: skip
+    assert (init.rank_offset, init.world_size, init.backend) == (1, 3, "gloo")
+    update = parse(UpdateWeightsFromDistributedRequest, {
+        "names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[2], [3, 4]],
+        "group_name": "g", "weight_version": "7", "flush_cache": True})  # fmt: skip
+    assert (update.names, update.weight_version) == (["a", "b"], "7")
+    with pytest.raises(RequestError, match="same length"):
+        parse(UpdateWeightsFromDistributedRequest, {"names": ["a"], "dtypes": [], "shapes": []})
+    with pytest.raises(RequestError, match="dtypes"):
+        parse(UpdateWeightsFromDistributedRequest,
+              {"names": ["a"], "dtypes": ["int8"], "shapes": [[1]]})  # fmt: skip
+    with pytest.raises(RequestError, match="rank_offset"):
+        parse(InitWeightsUpdateGroupRequest, {"master_address": "h", "master_port": 1,
+                                              "rank_offset": 0, "world_size": 2})  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from clawrl.engine.generation import GenerationRequest, SamplingRow, StopCriteria
 
@@ -99,6 +99,39 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     weight_version: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's /init_weights_update_group (the CPU engine joins over gloo)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """SGLang's /update_weights_from_distributed: the tensors rank 0 broadcasts next."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[Literal["float32", "float16", "bfloat16"]]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
 
 
 class PauseGenerationRequest(BaseModel):

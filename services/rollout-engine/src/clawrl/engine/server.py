@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import exposition
 from clawrl.common.models import served_model_name
-from clawrl.engine.cpu.engine import CpuEngine
+from clawrl.engine.cpu.engine import CpuEngine, UpdateResult
 from clawrl.engine.cpu.scheduler import QueueFullError
 from clawrl.engine.generation import (
     GenerationRequest,
@@ -31,10 +31,12 @@ from clawrl.engine.metrics import EngineMetrics
 from clawrl.engine.openai_api import build_router, error_response
 from clawrl.engine.protocol import (
     GenerateRequest,
+    InitWeightsUpdateGroupRequest,
     Limits,
     PauseGenerationRequest,
     RequestError,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     describe_validation_error,
     generation_request,
     parse,
@@ -58,6 +60,18 @@ class AppState:
     engine: Any = None  # CpuEngine
     renderer: ChatRenderer | None = None
     limits: Limits | None = None
+
+
+def weights_reply(result: UpdateResult) -> JSONResponse:
+    """A weight call's `{success, message}`; 400 when it failed, as SGLang answers."""
+    return JSONResponse(
+        {
+            "success": result.success,
+            "message": result.message,
+            "num_paused_requests": result.num_paused_requests,
+        },
+        status_code=200 if result.success else 400,
+    )
 
 
 def create_app(settings: EngineSettings) -> FastAPI:
@@ -167,14 +181,26 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
         result = await engine().update_weights_from_disk(
             body.model_path, body.weight_version, body.load_format
         )
-        return JSONResponse(
-            {
-                "success": result.success,
-                "message": result.message,
-                "num_paused_requests": result.num_paused_requests,
-            },
-            status_code=200 if result.success else 400,
+        return weights_reply(result)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        body = parse(InitWeightsUpdateGroupRequest, await _body(request))
+        result = await engine().init_weights_update_group(
+            body.master_address, body.master_port, body.rank_offset, body.world_size,
+            body.group_name, body.backend,
+        )  # fmt: skip
+        return weights_reply(result)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = parse(UpdateWeightsFromDistributedRequest, await _body(request))
+        if body.abort_all_requests:
+            await engine().abort_all()
+        result = await engine().update_weights_from_distributed(
+            body.names, body.dtypes, body.shapes, body.group_name, body.weight_version
         )
+        return weights_reply(result)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:

@@ -84,6 +84,12 @@ class EngineServerSettings(Section):
         "float32", description="Weights and activations dtype of the CPU engine."
     )
     random_seed: int = Field(0, description="Seed of the sampler for requests that give none.")
+    weight_group_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for a weight update group to form (/init_weights_update_group) "
+        "or for one broadcast tensor.",
+    )
     health_generate_timeout_s: float = Field(
         30.0, gt=0, description="Time /health_generate waits for its 1-token generation."
     )

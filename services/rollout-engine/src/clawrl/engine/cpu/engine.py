@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clawrl.common.models import context_length, resolve_model_dir
+from clawrl.common.process_groups import join_group, receive_broadcast
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, read_checkpoint
 from clawrl.engine.cpu.scheduler import Scheduler, Sequence
@@ -26,7 +27,8 @@ LOAD_FORMATS = (None, "auto", "safetensors")
 
 @dataclass(frozen=True)
 class UpdateResult:
-    """Reply of /update_weights_from_disk."""
+    """Reply of /update_weights_from_disk, /init_weights_update_group and
+    /update_weights_from_distributed."""
 
     success: bool
     message: str
@@ -43,6 +45,7 @@ class CpuEngine:
         self.context_length = context_length(settings.model, self.model_dir)
         self._token_texts: dict[int, str] = {}
         self._update_lock = asyncio.Lock()
+        self._groups: dict[str, object] = {}  # weight update groups joined, by name
         self.tokenizer = None
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
@@ -193,6 +196,62 @@ class CpuEngine:
         log.info("weights updated from %s (weight_version=%s)", path, self.weight_version)
         return UpdateResult(
             True, f"Succeeded to update model weights from {path}.", num_paused_requests=num_paused
+        )
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str,
+    ) -> UpdateResult:  # fmt: skip
+        """Join the trainer's broadcast group (SGLang's NCCL path, here over gloo) as rank
+        `rank_offset`; returns once every rank has joined."""
+        if backend != "gloo":
+            return self._update_failed(f"backend {backend!r}: the CPU engine receives over gloo")
+        if group_name in self._groups:
+            return self._update_failed(f"weight update group {group_name!r} already joined")
+        try:
+            self._groups[group_name] = await asyncio.to_thread(
+                join_group, backend, master_address, master_port, rank_offset, world_size,
+                group_name, self.settings.engine.weight_group_timeout_s,
+            )  # fmt: skip
+        except Exception as exc:  # rendezvous timeout, refused connection
+            return self._update_failed(f"cannot join weight update group {group_name}: {exc}")
+        log.info("joined weight update group %s as rank %d of %d", group_name, rank_offset,
+                 world_size)  # fmt: skip
+        return UpdateResult(True, f"Joined weight update group {group_name}.")
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str | None = None,
+    ) -> UpdateResult:  # fmt: skip
+        """Receive the next tensors rank 0 broadcasts, check them against the model, and swap
+        them in like a disk load (each bucket as it arrives, as SGLang does; `weight_version`
+        is taken with the bucket that carries it)."""
+        assert self.runner is not None and self.scheduler is not None
+        group = self._groups.get(group_name)
+        if group is None:
+            return self._update_failed(
+                f"no weight update group {group_name!r}: call /init_weights_update_group first"
+            )
+        async with self._update_lock:
+            try:
+                # Received before anything is checked: the sender broadcasts regardless.
+                received = await asyncio.to_thread(receive_broadcast, group, dtypes, shapes)
+            except Exception as exc:
+                return self._update_failed(f"receiving the broadcast failed: {exc}")
+            tensors = dict(zip(names, received, strict=True))
+            try:
+                self.runner.check_checkpoint(tensors, partial=True)
+            except CheckpointError as exc:
+                return self._update_failed(f"cannot load the broadcast weights: {exc}")
+            runner = self.runner
+            num_paused = await asyncio.wrap_future(
+                self.scheduler.swap_weights(lambda: runner.load_weights(tensors), weight_version)
+            )
+        self.metrics.weight_updates.labels(result="success").inc()
+        if weight_version is not None:
+            log.info("weights updated by broadcast (weight_version=%s)", weight_version)
+        return UpdateResult(
+            True, f"Succeeded to update {len(names)} tensors.", num_paused_requests=num_paused
         )
 
     def _checkpoint_path(self, model_path: str) -> Path:

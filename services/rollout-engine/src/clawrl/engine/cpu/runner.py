@@ -192,11 +192,12 @@ class ModelRunner:
 
     # ----- weights ------------------------------------------------------------------------
 
-    def check_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+    def check_checkpoint(self, tensors: dict[str, torch.Tensor], *, partial: bool = False) -> None:
         """Raise CheckpointError unless `tensors` names exactly this model's weights (tied
-        aliases may be left out) with the same shapes. Reads nothing the decode loop writes."""
+        aliases may be left out; with `partial`, any subset: one bucket of a broadcast) with
+        the same shapes. Reads nothing the decode loop writes."""
         unknown = sorted(set(tensors) - set(self.shapes))
-        missing = sorted(set(self.shapes) - set(tensors) - self._aliases)
+        missing = [] if partial else sorted(set(self.shapes) - set(tensors) - self._aliases)
         wrong = sorted(
             f"{name}: {tuple(t.shape)} != {self.shapes[name]}"
             for name, t in tensors.items()

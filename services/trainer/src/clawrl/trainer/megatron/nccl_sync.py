@@ -9,9 +9,9 @@ run at the same time. Only the last bucket carries `weight_version` and flushes 
 an engine reports the new version once it has all of it. The gateways are paused around the
 whole update (the weight-sync protocol); disk sync stays the default and the fallback.
 
-The group is created like SGLang creates its side (TCP rendezvous at master_address:port, a
-store prefixed by the group name), so both ends meet in the same store. On CPU the same code
-runs with gloo, which is how it is tested.
+The group is created like SGLang creates its side (`clawrl.common.process_groups`), so both
+ends meet in the same store. On CPU the same code runs with gloo, which is how it is tested
+(and how the CPU engine receives).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
+from clawrl.common.process_groups import join_group
 from clawrl.common.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
@@ -76,28 +76,6 @@ def rank_offsets(engine_tp: list[int]) -> tuple[list[int], int]:
         offsets.append(next_rank)
         next_rank += tp
     return offsets, next_rank
-
-
-def join_group(
-    backend: str, address: str, port: int, rank: int, world_size: int, group_name: str,
-    timeout_s: float = 300.0,
-):  # fmt: skip
-    """A process group besides the default one (Megatron's), joined over its own TCP store;
-    the same construction as SGLang's engine side. torch has no public API for a second
-    'world', so this uses the c10d helpers every RL framework uses for it."""
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 @dataclass(frozen=True)
