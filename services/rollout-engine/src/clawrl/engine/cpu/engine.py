@@ -188,11 +188,7 @@ class CpuEngine:
                 await asyncio.to_thread(self.runner.check_checkpoint, tensors)
             except CheckpointError as exc:
                 return self._update_failed(f"cannot load weights from {model_path}: {exc}")
-            runner = self.runner
-            num_paused = await asyncio.wrap_future(
-                self.scheduler.swap_weights(lambda: runner.load_weights(tensors), weight_version)
-            )
-        self.metrics.weight_updates.labels(result="success").inc()
+            num_paused = await self._swap_in(tensors, weight_version)
         log.info("weights updated from %s (weight_version=%s)", path, self.weight_version)
         return UpdateResult(
             True, f"Succeeded to update model weights from {path}.", num_paused_requests=num_paused
@@ -243,16 +239,22 @@ class CpuEngine:
                 self.runner.check_checkpoint(tensors, partial=True)
             except CheckpointError as exc:
                 return self._update_failed(f"cannot load the broadcast weights: {exc}")
-            runner = self.runner
-            num_paused = await asyncio.wrap_future(
-                self.scheduler.swap_weights(lambda: runner.load_weights(tensors), weight_version)
-            )
-        self.metrics.weight_updates.labels(result="success").inc()
+            num_paused = await self._swap_in(tensors, weight_version)
         if weight_version is not None:
             log.info("weights updated by broadcast (weight_version=%s)", weight_version)
         return UpdateResult(
             True, f"Succeeded to update {len(names)} tensors.", num_paused_requests=num_paused
         )
+
+    async def _swap_in(self, tensors: dict, weight_version: str | None) -> int:
+        """Swap checked tensors in on the model thread (when no request runs, or at once when
+        paused) and count the update; -> requests retracted."""
+        runner, scheduler = self.runner, self.scheduler
+        num_paused = await asyncio.wrap_future(
+            scheduler.swap_weights(lambda: runner.load_weights(tensors), weight_version)
+        )
+        self.metrics.weight_updates.labels(result="success").inc()
+        return num_paused
 
     def _checkpoint_path(self, model_path: str) -> Path:
         """A directory or file as given, else a model prepared in the cache by name."""
