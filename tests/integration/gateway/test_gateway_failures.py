@@ -58,6 +58,23 @@ def test_bad_input_through_the_openai_client(gateway):
     assert info.value.status_code == 400 and info.value.param == "max_tokens"
 
 
+def test_chat_route_methods_and_a_chunked_body(gateway):
+    """The chat route is served outside FastAPI's router: other methods still get an OpenAI 405,
+    and a body sent in chunks is read whole."""
+    reply = httpx.get(f"{gateway.base_url}/chat/completions", timeout=TIMEOUT)
+    assert reply.status_code == 405 and reply.json()["error"]["type"] == "invalid_request_error"
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    chunks = iter([body[:10], body[10:30], body[30:]])
+    reply = httpx.post(
+        f"{gateway.base_url}/chat/completions",
+        content=chunks,
+        headers={"X-Turn-Type": "side", "Content-Type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
 @pytest.fixture(scope="module")
 def engine_down(gateways):
     """A gateway whose engine URL has nothing listening."""

@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -18,7 +18,10 @@ from fastapi.responses import Response, StreamingResponse
 from redis.asyncio import Redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import exposition
@@ -41,7 +44,8 @@ from clawrl.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics")
+CHAT_ROUTE = "/v1/chat/completions"
+ROUTES = (CHAT_ROUTE, "/v1/models", "/healthz", "/readyz", "/metrics")
 JSON = "application/json"
 
 
@@ -92,6 +96,47 @@ class SSEResponse(StreamingResponse):
             await self._release()
 
 
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class ChatRoute:
+    """/v1/chat/completions as plain ASGI, ahead of FastAPI's router: the hot path skips the
+    routing, request objects and exception/exit-stack middleware it does not use (a third of
+    the gateway's CPU per request on 2 cores). Only POST is served here."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != CHAT_ROUTE:
+            return await self.app(scope, receive, send)
+        response = await self.respond(scope["app"].state.gateway, scope, receive)
+        await response(scope, receive, send)
+
+    async def respond(self, gateway: Gateway, scope: Scope, receive: Receive) -> Response:
+        started = time.perf_counter()
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"method {scope['method']} not allowed here")
+            headers = Headers(scope=scope)
+            authorize(gateway, headers)
+            chat = parse_chat_request(await read_body(receive), headers)
+            if chat.stream:
+                return SSEResponse(await gateway.service.open_stream(chat, started))
+            body, response_headers = await gateway.service.complete(chat)
+            return json_response(body, headers=response_headers)
+        except Exception as exc:
+            return error_response(exc, gateway.settings.serving.retry_after_s)
+
+
 class RequestMetrics:
     """Pure ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): requests by
     route and status, and latency up to the end of the body (streams included)."""
@@ -125,10 +170,10 @@ class RequestMetrics:
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
 
 
-def authorize(gateway: Gateway, request: Request) -> None:
+def authorize(gateway: Gateway, headers: Mapping[str, str]) -> None:
     if not gateway.api_keys:
         return
-    header = request.headers.get("authorization", "")
+    header = headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     given = key.strip().encode()
     if scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in gateway.api_keys):
@@ -260,7 +305,8 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             service.close()
 
     app = FastAPI(title="clawrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.add_middleware(ChatRoute)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # added last: outermost, sees all
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(request: Request, exc: StarletteHTTPException) -> Response:
@@ -268,25 +314,11 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             return error_response(MethodNotAllowed(f"method {request.method} not allowed here"))
         return error_response(NotFound(f"no route {request.method} {request.url.path}"))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        gateway: Gateway = request.app.state.gateway
-        started = time.perf_counter()
-        try:
-            authorize(gateway, request)
-            chat = parse_chat_request(await request.body(), request.headers)
-            if chat.stream:
-                return SSEResponse(await gateway.service.open_stream(chat, started))
-            body, headers = await gateway.service.complete(chat)
-            return json_response(body, headers=headers)
-        except Exception as exc:
-            return error_response(exc, gateway.settings.serving.retry_after_s)
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gateway: Gateway = request.app.state.gateway
         try:
-            authorize(gateway, request)
+            authorize(gateway, request.headers)
         except GatewayError as exc:
             return error_response(exc)
         return json_response({"object": "list", "data": [model_card(gateway)]})
@@ -295,7 +327,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
     async def model(request: Request, model_id: str) -> Response:
         gateway: Gateway = request.app.state.gateway
         try:
-            authorize(gateway, request)
+            authorize(gateway, request.headers)
             if model_id != gateway.model_name:
                 raise NotFound(f"The model '{model_id}' does not exist", code="model_not_found")
         except GatewayError as exc:
