@@ -109,8 +109,8 @@ async def read_body(receive: Receive) -> bytes:
 
 class ChatRoute:
     """/v1/chat/completions as plain ASGI, ahead of FastAPI's router: the hot path skips the
-    routing, request objects and exception/exit-stack middleware it does not use (a third of
-    the gateway's CPU per request on 2 cores). Only POST is served here."""
+    routing, request objects and exception/exit-stack middleware it does not use (measured:
+    0.2-0.4 ms of CPU per request on 2 cores). Other methods get an OpenAI-style 405."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
