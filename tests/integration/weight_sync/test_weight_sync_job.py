@@ -21,6 +21,8 @@ import redis
 from clawrl.common.records import Turn, decode_entry
 from clawrl.common.versions import VersionReady, announce
 from clawrl.trainer.weight_sync.job import SyncResult, sync_version
+from clawrl.trainer.weight_sync.launcher import SyncWatcher
+from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 from .conftest import run_sync, sync_argv
@@ -384,3 +386,51 @@ def test_a_failing_load_after_a_retract_still_continues_the_engines(
     assert (turn.admitted_policy_version, turn.policy_version) == (old, old)
     assert engine_weights(engine) == served
     assert not any(r.status().paused for r in replicas)
+
+
+def test_the_launcher_continues_the_engines_after_a_sync_that_died_retracting(
+    engine, sync_env, redis_url
+):
+    """A job killed between /pause_generation and /continue_generation leaves the engine
+    paused; the launcher, seeing the job end without a result, continues every engine."""
+    httpx.post(f"{engine}/pause_generation", json={"mode": "retract"}, timeout=10)
+    held: list[httpx.Response] = []
+    generation = threading.Thread(
+        target=lambda: held.append(httpx.post(
+            f"{engine}/generate",
+            json={"text": "Paused?", "sampling_params": {"max_new_tokens": 4}},
+            timeout=120,
+        )),
+        daemon=True,
+    )  # fmt: skip
+    generation.start()
+    generation.join(timeout=1.0)
+    assert generation.is_alive(), "the paused engine answered"
+    settings = WeightSyncSettings(
+        redis={"url": redis_url, "versions_stream": sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]},
+        engines={"urls": [engine]},
+        sync={"results_stream": sync_env["CLAWRL_SYNC__RESULTS_STREAM"]},
+        launcher={"max_attempts": 1},
+    )
+    metrics = WeightSyncMetrics()
+
+    async def killed(ready: VersionReady) -> int:
+        return -signal.SIGKILL  # no result published: the job died
+
+    async def go():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            watcher = SyncWatcher(settings, client, killed, metrics, block_ms=50)
+            await watcher._sync(VersionReady(99, "/nowhere", 99, time.time()))
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(go())
+        generation.join(timeout=60)
+        assert held and held[0].status_code == 200, held
+    finally:
+        httpx.post(f"{engine}/continue_generation", json={}, timeout=10)
+    value = metrics.registry.get_sample_value
+    assert value("clawrl_weight_sync_syncs_total", {"outcome": "crashed"}) == 1
+    assert value("clawrl_weight_sync_continue_failures_total") == 0

@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.job import SyncResult
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
+from clawrl.trainer.weight_sync.replicas import continue_every_engine
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,11 @@ class SyncWatcher:
                 return None
             if not any(r.version == ready.version for r in results):
                 self.metrics.syncs.labels(outcome="crashed").inc()
+                # A job that died with the engines paused (retract) cannot continue them; the
+                # gateways' leases end their pause by themselves, the engines' is ended here.
+                for error in await continue_every_engine(self.settings.engines):
+                    self.metrics.continue_failures.inc()
+                    log.error("after a crashed sync: %s", error)
             log.warning("sync of v%d failed (exit code %d)", ready.version, code)
             newer = await self._next_announcement(block=False)
             if newer is not None and newer.version > ready.version:

@@ -37,6 +37,11 @@ class WeightSyncMetrics:
             buckets=DURATION_BUCKETS_S,
             registry=r,
         )
+        self.continue_failures = Counter(
+            "clawrl_weight_sync_continue_failures_total",
+            "Engines the launcher could not /continue_generation after a sync that crashed.",
+            registry=r,
+        )
         self.lease_renewal_failures = Counter(
             "clawrl_weight_sync_lease_renewal_failures_total",
             "Pause-lease renewals that a gateway did not answer.",

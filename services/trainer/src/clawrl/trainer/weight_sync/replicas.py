@@ -142,3 +142,23 @@ class Engine:
             await self._client.continue_generation()
         except EngineError as exc:
             raise ReplicaError(f"engine {self.url}: /continue_generation failed: {exc}") from exc
+
+
+async def continue_every_engine(targets: EngineTargets) -> list[str]:
+    """/continue_generation on every policy engine (idempotent); the errors. For a job that
+    died between its engines' /pause_generation and its own /continue_generation."""
+    try:
+        urls = await engine_urls(targets)
+    except (OSError, LookupError) as exc:
+        return [f"cannot find the engines: {exc}"]
+    engines = [Engine(url, targets) for url in urls]
+    try:
+        results = await asyncio.gather(
+            *(e.continue_generation() for e in engines), return_exceptions=True
+        )
+    finally:
+        await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, ReplicaError):
+            raise result
+    return [str(r) for r in results if isinstance(r, ReplicaError)]
