@@ -285,3 +285,28 @@ def test_the_engines_weight_version_is_recorded(versioned, session_id):
     assert reply.json()["system_fingerprint"] == "clawrl-policy-v6"
     turns = handle.wait_turns(session_id, 3)
     assert [(t.weight_version, t.policy_version) for t in turns] == [("5", 5), ("5", 5), ("6", 6)]
+
+
+def test_a_stream_the_client_leaves_is_still_the_next_state(gateway, session_id):
+    """Recording happens when a request ends; a streamed main request whose client hangs up
+    mid-answer records no turn of its own but still finalises the turn it answers."""
+    headers = {"X-Session-Id": session_id}
+    first = gateway.chat([user("one")], headers=headers)
+    assert first.status_code == 200
+    history = [user("one"), first.json()["choices"][0]["message"], user("two")]
+    body = {"messages": history, "max_tokens": 2000, "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{gateway.base_url}/chat/completions",
+        json=body,
+        headers=headers,
+        timeout=TIMEOUT,
+    ) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the stream started; hang up
+    [turn] = gateway.wait_turns(session_id, 1)
+    assert turn.turn_id == f"{session_id}:0"
+    assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
+    assert json.loads(turn.next_state_json) == user("two")
+    # The stream did not finish: no turn of its own is pending.
+    assert gateway.redis.hget(f"test:main:s:{session_id}", "tid") is None
