@@ -94,6 +94,7 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
         self.named: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
+        self.redis_url = ""
         self.baseline_url: str | None = None
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -112,12 +113,8 @@ class Stack:
     def start(self, instant: bool = False, baseline: Path | None = None) -> tuple[str, str]:
         """Start everything; (engine URL, gateway URL). With `baseline` (a source tree) a second
         gateway, `gateway-base`, runs that tree's code against the same engine and Redis."""
-        redis_port, engine_port = free_port(), free_port()
-        redis = shutil.which("redis-server") or "redis-server"
-        self.spawn(
-            "redis",
-            [redis, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""],
-        )
+        redis_url = self.start_redis()
+        engine_port = free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         engine = self.spawn(
             "engine",
@@ -133,7 +130,6 @@ class Stack:
                 *("--port", str(engine_port), "--model", MODEL),
             ],
         )
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
         gateway_url = self.spawn_gateway("gateway", engine_url, redis_url)
         if baseline is not None:
             self.baseline_url = self.spawn_gateway(
@@ -144,6 +140,22 @@ class Stack:
             if name.startswith("gateway"):
                 wait_http(f"{self.urls[name]}/readyz", proc, name)
         return engine_url, gateway_url
+
+    def start_redis(self) -> str:
+        port = free_port()
+        server = shutil.which("redis-server") or "redis-server"
+        self.spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""])
+        url = f"redis://127.0.0.1:{port}/0"
+        self.redis_url = url
+        deadline = time.monotonic() + 10
+        while True:  # ready when it accepts a connection
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return url
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def spawn_gateway(
         self, name: str, engine_url: str, redis_url: str, env: dict | None = None
@@ -327,6 +339,132 @@ async def run(
             print(f"    {name:<22} p50 {p50:+6.2f} ms   p99 {p99:+6.2f} ms   mean {mean:+6.2f} ms")
 
 
+def stage_costs(redis_url: str, stack: Stack | None = None) -> None:
+    """CPU per main request of each stage of the gateway's own work, in-process with the real
+    objects (a one-message chat, a 6-token reply); the record script against a real Redis. What
+    the gateway spends beyond their sum is HTTP (server and engine client) and the event loop."""
+    import orjson
+    from instant_engine import reply
+    from redis.asyncio import Redis
+
+    from clawrl.common.chat import ChatRenderer
+    from clawrl.common.settings import ModelSettings
+    from clawrl.gateway.metrics import GatewayMetrics
+    from clawrl.gateway.protocol import parse_chat_request
+    from clawrl.gateway.recording import Recorder, ServedTurn
+    from clawrl.gateway.serving import Generation, assistant_message
+    from clawrl.gateway.sessions import SessionStore
+
+    renderer = ChatRenderer.from_settings(ModelSettings(path=MODEL))
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi (1)"}]})
+    headers = {"content-type": "application/json"}
+    request = parse_chat_request(body, headers)
+    prompt = renderer.render_ids(request.render_messages)
+    engine_reply = orjson.dumps(reply(len(prompt), 6, 6))
+
+    def generation() -> Generation:
+        generated = Generation()
+        generated.update(orjson.loads(engine_reply))
+        return generated
+
+    generated = generation()
+    message = assistant_message(generated.text, [])
+    served = ServedTurn(
+        model=MODEL,
+        policy_version=0,
+        admitted_policy_version=0,
+        weight_version="0",
+        messages=request.messages,
+        tools=None,
+        prompt_ids=prompt,
+        response_ids=generated.ids,
+        response_logprobs=generated.logprobs,
+        response_text=generated.text,
+        response_message=message,
+        finish_reason="length",
+        temperature=1.0,
+        top_p=1.0,
+    )
+
+    def cpu_ms(step, n: int = 2000) -> float:
+        step()
+        start = time.process_time()
+        for _ in range(n):
+            step()
+        return (time.process_time() - start) / n * 1e3
+
+    costs = {
+        "parse + validate request": cpu_ms(lambda: parse_chat_request(body, headers)),
+        "render + tokenise prompt": cpu_ms(lambda: renderer.render_ids(request.render_messages)),
+        "encode engine payload": cpu_ms(lambda: orjson.dumps({"input_ids": prompt})),
+        "decode engine reply": cpu_ms(generation),
+        "encode response": cpu_ms(lambda: orjson.dumps({"choices": [{"message": message}]})),
+    }
+
+    async def record_costs() -> None:
+        redis = Redis.from_url(redis_url)
+        store = SessionStore(redis, prefix="stages", stream="stages:turns", maxlen=1000, ttl_s=60)
+        recorder = Recorder(
+            store,
+            GatewayMetrics(),
+            gateway_id="bench",
+            anonymous_matching=True,
+            idle_timeout_s=60,
+            sweep_interval_s=60,
+            sweep_batch=10,
+        )
+        counter = iter(range(10**9))
+
+        def begin():
+            return recorder.begin(
+                f"stage-{next(counter)}",
+                None,
+                request.render_messages,
+                request.messages,
+                scope="-",
+                done=False,
+            )
+
+        costs["session bookkeeping (hashes)"] = cpu_ms(begin)
+        await recorder.finish(begin(), served)  # loads the script
+        n = 500
+        contexts = [begin() for _ in range(n)]
+        start = time.process_time()
+        for context in contexts:
+            await recorder.finish(context, served)
+        costs["record: bytes + 1 Redis round trip"] = (time.process_time() - start) / n * 1e3
+        await redis.aclose()
+
+    asyncio.run(record_costs())
+    print("\nthe gateway's own stages, CPU ms per main request (in-process)")
+    for name, ms in costs.items():
+        print(f"  {name:<36} {ms:6.3f} ms")
+    print(f"  {'sum':<36} {sum(costs.values()):6.3f} ms")
+    if stack is not None and "gateway" in stack.urls:
+        print(f"  {'HTTP server alone (GET /healthz)':<36} {healthz_cpu_ms(stack):6.3f} ms")
+
+
+def healthz_cpu_ms(stack: Stack, n: int = 1000, concurrency: int = 8) -> float:
+    """The gateway's CPU per GET /healthz: uvicorn + Starlette for a request that does nothing."""
+    url = f"{stack.urls['gateway']}/healthz"
+
+    async def hit() -> None:
+        remaining = list(range(n))
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def worker() -> None:
+                while remaining:
+                    remaining.pop()
+                    (await client.get(url)).raise_for_status()
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    asyncio.run(hit())  # warm up
+    before = stack.cpu_seconds()["gateway"]
+    asyncio.run(hit())
+    return (stack.cpu_seconds()["gateway"] - before) / n * 1e3
+
+
 def render_costs() -> None:
     """CPU per prompt of rendering + tokenising a growing agent conversation (big system prompt,
     8 tool schemas), with and without the tokeniser's piece cache (identical ids, checked)."""
@@ -388,6 +526,9 @@ def main() -> None:
         "--render-only", action="store_true", help="only the prompt-rendering comparison"
     )
     parser.add_argument(
+        "--stages-only", action="store_true", help="only the per-stage CPU costs (starts Redis)"
+    )
+    parser.add_argument(
         "--baseline",
         metavar="GIT_REF",
         help="also run a gateway from this git ref's code (e.g. main), side by side in one run",
@@ -397,6 +538,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.render_only:
         render_costs()
+        return
+    if args.stages_only:
+        with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+            stack = Stack(Path(tmp))
+            try:
+                stage_costs(stack.start_redis())
+            finally:
+                stack.stop()
         return
     if args.engine_url and args.gateway_url:
         asyncio.run(run(args, args.engine_url, args.gateway_url))
@@ -409,6 +558,7 @@ def main() -> None:
                 baseline = extract_baseline(args.baseline, Path(tmp) / "baseline")
             engine_url, gateway_url = stack.start(instant=args.instant_engine, baseline=baseline)
             asyncio.run(run(args, engine_url, gateway_url, stack))
+            stage_costs(stack.redis_url, stack)
         finally:
             stack.stop()
     render_costs()
