@@ -190,8 +190,10 @@ class Servers:
              "--grpc-port", str(grpc_port), "--model", model, "--engine-url", self.engine_url,
              "--redis-url", f"redis://127.0.0.1:{redis_port}/0"],
             # The setting make run shares with every process: the gateway admits what is served.
+            # A cold 13k-token prefill on a busy 2-core host outlasts the default 600 s wait.
             env={"CLAWRL_CONFIG": "/nonexistent",
-                 "CLAWRL_MODEL__CONTEXT_LENGTH": str(context_length)},
+                 "CLAWRL_MODEL__CONTEXT_LENGTH": str(context_length),
+                 "CLAWRL_SERVING__ENGINE_TIMEOUT_S": "3600"},
         )  # fmt: skip
         self.gateway_url = f"http://127.0.0.1:{gateway_port}"
         deadline = time.monotonic() + 600
@@ -290,7 +292,10 @@ def main() -> None:
     )
     extra = ["--disable-radix-cache"] if args.disable_radix_cache else []
     with Servers(args.model, args.context_length, extra) as servers:
-        client = OpenAI(base_url=f"{servers.gateway_url}/v1", api_key="bench", timeout=3600)
+        # No retries: a retried turn would hide its first attempt's time.
+        client = OpenAI(
+            base_url=f"{servers.gateway_url}/v1", api_key="bench", timeout=3600, max_retries=0
+        )
         messages: list[dict] = [{"role": "system", "content": system}]
         print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'new':>6} {'TTFT s':>8} {'total s':>8}")
         for index in range(args.turns):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from clawrl.engine.cpu.detokenizer import IncrementalDetokenizer
 from clawrl.engine.cpu.prefix_cache import LayerKV, PrefixCache
@@ -615,6 +616,7 @@ class Scheduler:
     def _drop_aborted(self) -> None:
         for seq in [s for s in self._prefilling if s.aborted]:
             self._prefilling.remove(seq)
+            self._keep_prefilled_part(seq)
             self._count_abort(seq)
         if not any(seq.aborted for seq in self._running):
             return
@@ -626,6 +628,14 @@ class Scheduler:
                 kept.append(i)
         assert self._pending is not None
         self._keep(kept, self._pending)
+
+    def _keep_prefilled_part(self, seq: Sequence) -> None:
+        """The chunks of an abandoned prompt go to the prefix cache (as SGLang caches chunked
+        prefills), so a client that gives up and retries (OpenAI clients retry after a timeout:
+        a cold 13k-token prompt can outlast one on CPU) resumes the prefill instead of
+        starting over."""
+        if isinstance(seq.cache, DynamicCache) and seq.fed > 0:
+            self._cache_insert(seq.feed[: seq.fed], layer_kv(seq.cache))
 
     def _count_abort(self, seq: Sequence) -> None:
         self.metrics.aborted_requests.labels(reason=seq.aborted or "client_gone").inc()
