@@ -69,6 +69,11 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc=None
     raise TimeoutError(f"{what} not ready after {timeout_s}s")
 
 
+def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    """Until `url` answers 200; fails at once if `proc` exits first."""
+    wait_until(lambda: httpx.get(url, timeout=1).status_code == 200, timeout_s, what, proc)
+
+
 class ChildProcess:
     """A server started as a real child process, with its output in a log file."""
 

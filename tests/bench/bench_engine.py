@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,10 @@ import time
 from pathlib import Path
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: make the tests package importable
+from tests.conftest import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPTS = [
@@ -35,12 +38,6 @@ PROMPTS = [
 
 def chat_prompt(question: str) -> str:
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_engine(model: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:

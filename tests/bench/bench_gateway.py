@@ -34,6 +34,10 @@ from pathlib import Path
 
 import httpx
 
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: make the tests package importable
+from tests.conftest import free_port, wait_http  # noqa: E402
+
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-tiny"
 QUESTIONS = [
@@ -47,12 +51,6 @@ QUESTIONS = [
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def extract_baseline(ref: str, dest: Path) -> Path:
@@ -70,20 +68,6 @@ def extract_baseline(ref: str, dest: Path) -> Path:
 def source_path(tree: Path) -> str:
     """PYTHONPATH that makes the installed console scripts import `tree`'s packages."""
     return os.pathsep.join(str(src) for src in sorted((tree / "services").glob("*/src")))
-
-
-def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not ready")
 
 
 class Stack:

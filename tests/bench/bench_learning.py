@@ -13,7 +13,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,14 +22,11 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: make the tests package importable
+from tests.conftest import free_port  # noqa: E402
+
 NAMES = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grpc",
          "judge-metrics", "trainer-metrics", "sync-metrics")  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

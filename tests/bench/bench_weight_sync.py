@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,27 +28,11 @@ from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 from clawrl.trainer.weight_sync.job import SyncResult
 
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: make the tests package importable
+from tests.conftest import free_port, wait_http  # noqa: E402
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} not ready after {timeout_s}s")
 
 
 def checkpoint(model_dir: Path, target: Path, scale: float) -> Path:
