@@ -20,6 +20,7 @@ Default ports (each has a flag, see --help):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -53,10 +54,17 @@ def http_ok(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self, redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        stop_timeout_s: float = 30,
+    ) -> None:
         self.redis_url = redis_url
         self.log_dir = log_dir
         self.env = env or {}  # settings every process shares
+        self.stop_timeout_s = stop_timeout_s
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def log_path(self, name: str) -> Path:
@@ -73,7 +81,11 @@ class Stack:
             **(env or {}),
         }
         log = self.log_path(name).open("ab")
-        proc = subprocess.Popen(argv, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        # Its own process group: stop() can then reach what it starts (the trainer's Ray
+        # runtime) as well.
+        proc = subprocess.Popen(
+            argv, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.procs.append((name, proc))
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -91,14 +103,18 @@ class Stack:
         return "\n".join(f"    {line}" for line in text)
 
     def stop(self) -> None:
+        """SIGTERM to every process; then SIGKILL to what is left of each one's group, once it
+        exited or after stop_timeout_s (a trainer killed mid-step left Ray's processes running)."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
         for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def wait(self, show_status, interval_s: float) -> int:
         """Show the status every interval until one process exits; returns its exit code."""
@@ -117,7 +133,7 @@ class Stack:
             time.sleep(0.5)
 
 
-def engine_argv(model: str, port: int) -> list[str]:
+def engine_argv(model: str, port: int, torch_threads: int) -> list[str]:
     return [
         str(BIN / "clawrl-engine"),
         "--host",
@@ -126,7 +142,15 @@ def engine_argv(model: str, port: int) -> list[str]:
         str(port),
         "--model",
         model,
+        "--torch-threads",
+        str(torch_threads),
     ]
+
+
+def default_torch_threads() -> int:
+    """The cores split between the three torch processes (two engines, the trainer): each
+    defaulting to every core oversubscribes them, and a busy engine then starves the trainer."""
+    return max(1, (os.cpu_count() or 1) // 3)
 
 
 def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> None:
@@ -148,6 +172,7 @@ def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> No
          "--batch-size", str(args.batch_size), "--sync-interval", str(args.sync_interval),
          "--metrics-port", str(args.trainer_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.trainer_metrics_port}/metrics"),
+        env={"CLAWRL_TRAIN__NUM_THREADS": str(args.torch_threads)},
     )  # fmt: skip
     stack.start(
         "weight sync",
@@ -196,6 +221,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the model's trained context (SmolLM2: 8192) engines and trainer stretch RoPE alike "
         "(model.rope_scaling, default yarn); 0: the model's own or clawrl.toml's",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=default_torch_threads(),
+        help="torch threads of each engine and of the trainer (default: a third of the cores)",
+    )
     parser.add_argument("--status-interval", type=float, default=5.0, help="seconds")
     parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, logs...")
     return parser.parse_args(argv)
@@ -230,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         {"CLAWRL_MODEL__CONTEXT_LENGTH": str(args.context_length)} if args.context_length else {}
     )
     stack = Stack(redis_url, args.run_dir / "logs", shared)
-    # SIGTERM (from a supervisor or a test) stops the stack like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM (from a supervisor or a test) and SIGHUP (the terminal closed: the processes, in
+    # their own sessions, would not get it) stop the stack like Ctrl-C does.
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         stack.start(
             "redis",
@@ -252,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         stack.start(
             "policy engine",
-            engine_argv(args.policy_model, args.policy_port),
+            engine_argv(args.policy_model, args.policy_port, args.torch_threads),
             lambda: http_ok(f"http://127.0.0.1:{args.policy_port}/health"),
         )
         stack.start(
             "judge engine",
-            engine_argv(args.judge_model, args.judge_port),
+            engine_argv(args.judge_model, args.judge_port, args.torch_threads),
             lambda: http_ok(f"http://127.0.0.1:{args.judge_port}/health"),
         )
         stack.start(

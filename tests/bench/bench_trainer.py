@@ -4,8 +4,13 @@ forward/backward, optimizer, export and checkpoint; the latency from a sample's 
 of the step that trained it; peak memory; and mean |old - rollout| on unchanged weights against
 the engine's recorded log-probs. Prints a table; asserts nothing.
 
+With --serving-clients N the engine keeps serving N looping clients while the steps run, as it
+does in `make run`, so the CPU split between serving and training shows (--engine-threads and
+--trainer-threads set each side's torch threads).
+
     .venv/bin/python tests/bench/bench_trainer.py [--model SmolLM2-135M-Instruct] [--steps 3]
-        [--batch 16] [--new-tokens 64] [--state-interval 1]
+        [--batch 16] [--new-tokens 64] [--state-interval 1] [--serving-clients 4
+        --engine-threads 1 --trainer-threads 1]
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ from tests.bench.bench_engine import PROMPTS as QUESTIONS  # noqa: E402
 from tests.conftest import VENV_BIN, free_port, start_redis, wait_until  # noqa: E402
 
 
-def start_engine(model: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    model: str, log_dir: Path, threads: int | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = (log_dir / "engine.log").open("wb")
     proc = subprocess.Popen(
         [str(VENV_BIN / "clawrl-engine"), "--host", "127.0.0.1", "--port", str(port),
-         "--model", model],
+         "--model", model, *(["--torch-threads", str(threads)] if threads else [])],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -73,6 +80,21 @@ async def rollouts(url: str, tokenizer, count: int, new_tokens: int) -> list[Sam
         return await asyncio.gather(*(one(client, i) for i in range(count)))
 
 
+async def serve_forever(url: str, clients: int, new_tokens: int, served: list[int]) -> None:
+    """`clients` users generating back to back (the serving load beside training); appends
+    each reply's token count to `served`."""
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        while True:
+            reply = await client.post(f"{url}/generate", json={
+                "text": QUESTIONS[i % len(QUESTIONS)],
+                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.7}})  # fmt: skip
+            served.append(reply.json()["meta_info"]["completion_tokens"])
+
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await asyncio.gather(*(client_loop(client, i) for i in range(clients)))
+
+
 async def run(args: argparse.Namespace, work: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -80,7 +102,7 @@ async def run(args: argparse.Namespace, work: Path) -> None:
     from clawrl.common.settings import ModelSettings
 
     model_dir = resolve_model_dir(ModelSettings(path=args.model))
-    engine, url = start_engine(args.model, work)
+    engine, url = start_engine(args.model, work, args.engine_threads)
     try:
         started = time.perf_counter()
         samples = await rollouts(url, AutoTokenizer.from_pretrained(model_dir), args.batch,
@@ -88,8 +110,9 @@ async def run(args: argparse.Namespace, work: Path) -> None:
         rollout_s = time.perf_counter() - started
     except Exception:
         print((work / "engine.log").read_text(errors="replace")[-3000:])
+        engine.terminate()
         raise
-    finally:
+    if not args.serving_clients:
         engine.terminate()
         engine.wait()
     redis_port = free_port()
@@ -101,10 +124,17 @@ async def run(args: argparse.Namespace, work: Path) -> None:
         rollout={"rollout_batch_size": args.batch},
         consumer={"block_ms": 100},
         checkpoint={"dir": work / "ck", "state_interval": args.state_interval},
-        train={"micro_batch_tokens": args.micro_batch_tokens},
+        train={"micro_batch_tokens": args.micro_batch_tokens, "num_threads": args.trainer_threads},
     )
     backend = InProcess(TorchBackend(settings.train, settings.ppo))
     trainer = await build_trainer(settings, backend, redis, TrainerMetrics())
+    served: list[int] = []
+    serving = (
+        asyncio.create_task(serve_forever(url, args.serving_clients, args.new_tokens, served))
+        if args.serving_clients
+        else None
+    )
+    serving_started = time.perf_counter()
     rows = []
     latencies = []
     for step in range(args.steps):
@@ -121,6 +151,11 @@ async def run(args: argparse.Namespace, work: Path) -> None:
         end = time.time()
         latencies += [end - h.xadd_time_s for h in collected.held]
         rows.append((report.figures, end - xadd_done))
+    serving_s = time.perf_counter() - serving_started
+    if serving:
+        serving.cancel()
+        engine.terminate()
+        engine.wait()
     await redis.aclose()
     redis_proc.stop()
 
@@ -130,6 +165,9 @@ async def run(args: argparse.Namespace, work: Path) -> None:
           f"({response_tokens} response tokens, mean prompt "
           f"{statistics.mean(len(s.prompt_ids) for s in samples):.0f}), "
           f"rollouts from the CPU engine in {rollout_s:.1f}s")  # fmt: skip
+    print(f"serving beside the steps: {args.serving_clients} clients; torch threads: engine "
+          f"{args.engine_threads or 'default'}, trainer {args.trainer_threads or 'default'}; "
+          f"served {sum(served) / serving_s:.1f} tokens/s during the steps")  # fmt: skip
     header = ("step", "total s", "logp s", "fwd/bwd s", "optim s", "export s", "ckpt s",
               "samples/s", "tokens/s", "|old-rollout|")  # fmt: skip
     print(" ".join(f"{h:>13}" for h in header))
@@ -158,6 +196,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--state-interval", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--serving-clients", type=int, default=0, help="load beside the steps")
+    parser.add_argument("--engine-threads", type=int, help="the engine's torch threads")
+    parser.add_argument("--trainer-threads", type=int, help="the trainer's torch threads")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:

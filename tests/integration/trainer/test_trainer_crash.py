@@ -31,6 +31,7 @@ class TrainerProcess:
     as when a pod dies."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
         self.log_path = log_path
         self.metrics_port = free_port()
         self._log = log_path.open("wb")
@@ -65,6 +66,20 @@ class TrainerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return code
+
+    def niceness_of(self, title: str) -> list[int]:
+        """The niceness of each process this trainer started (its environment, which Ray's
+        processes inherit) whose title starts with `title` (Ray names an actor's process
+        `ray::Class` or `ray::Class.method`)."""
+        marker = f"CLAWRL_CHECKPOINT__DIR={self.env['CLAWRL_CHECKPOINT__DIR']}".encode()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                    continue
+                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(os.getpriority(os.PRIO_PROCESS, int(pid)))
+        return found
 
     def wait_for(self, text: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,6 +133,10 @@ async def test_kill_between_step_and_xack_then_resume(redis_url, tmp_path) -> No
         first.wait_for("holding before XACK of step 2", timeout_s=240)
         assert latest_state(tmp_path / "ck")["step"] == 2  # durable...
         assert await pending(redis, settings) == 2  # ...but step 2's entries not acknowledged
+        # The training actor runs at the trainer's own priority (Ray's default niceness of 15
+        # starved it beside busy engines).
+        trainer_niceness = os.getpriority(os.PRIO_PROCESS, first.proc.pid)
+        assert first.niceness_of("ray::TorchBackend") == [trainer_niceness]
     finally:
         first.kill(signal.SIGKILL)
 

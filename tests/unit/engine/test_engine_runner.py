@@ -1,5 +1,7 @@
 """The left-padded KV batch: merging and selecting rows must not change any row's logits."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,3 +126,28 @@ def test_checkpoints_must_match_names_and_shapes(runner):
         runner.check_checkpoint({**state, "extra.weight": torch.zeros(1)})
     with pytest.raises(CheckpointError, match="missing"):
         runner.check_checkpoint({k: v for k, v in state.items() if k != name})
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory mappings of `path` (Linux /proc)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]) == path:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def test_weights_live_in_process_memory_not_on_the_checkpoint_file():
+    """A weight update writes into every parameter: on the file mapping from_pretrained leaves,
+    the first one paid ~1 s of copy-on-write faults inside a sync's pause."""
+    model_dir = resolve_model_dir(ModelSettings(path="smollm2-tiny"))
+    runner = ModelRunner(model_dir)
+    mapped = file_mappings((model_dir / "model.safetensors").resolve())
+    on_file = [
+        name
+        for name, tensor in runner.model.state_dict().items()
+        if any(start <= tensor.data_ptr() < end for start, end in mapped)
+    ]
+    assert on_file == []
