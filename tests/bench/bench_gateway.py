@@ -9,7 +9,9 @@ records every request as a turn in Redis (the default), `side` serves only.
 
 With `--instant-engine` the engine is a stand-in (tests/bench/instant_engine.py, real HTTP) that
 answers /generate at once, so only the gateway's own cost shows: the gateway rows are compared
-with the stand-in's /generate called directly.
+with the stand-in's /generate called directly. A `null proxy` row (tests/bench/null_proxy.py: the
+gateway's server and client stack forwarding bytes, doing no work) shows what the extra hop alone
+costs, the floor under any gateway.
 
     .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
         [--max-tokens 6] [--rounds 2] [--instant-engine] [--baseline main]
@@ -48,6 +50,21 @@ QUESTIONS = [
 ]
 
 
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until the local server on `port` accepts connections."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with code {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -80,6 +97,7 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.redis_url = ""
         self.baseline_url: str | None = None
+        self.null_proxy_url: str | None = None
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
@@ -115,6 +133,15 @@ class Stack:
             ],
         )
         gateway_url = self.spawn_gateway("gateway", engine_url, redis_url)
+        if instant:
+            proxy_port = free_port()
+            proxy = self.spawn(
+                "null-proxy",
+                [sys.executable, str(Path(__file__).with_name("null_proxy.py")),
+                 "--port", str(proxy_port), "--engine-url", engine_url],
+            )  # fmt: skip
+            wait_port(proxy_port, proxy)
+            self.null_proxy_url = self.urls["null-proxy"] = f"http://127.0.0.1:{proxy_port}"
         if baseline is not None:
             self.baseline_url = self.spawn_gateway(
                 "gateway-base", engine_url, redis_url, {"PYTHONPATH": source_path(baseline)}
@@ -128,18 +155,12 @@ class Stack:
     def start_redis(self) -> str:
         port = free_port()
         server = shutil.which("redis-server") or "redis-server"
-        self.spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""])
-        url = f"redis://127.0.0.1:{port}/0"
-        self.redis_url = url
-        deadline = time.monotonic() + 10
-        while True:  # ready when it accepts a connection
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                return url
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        redis = self.spawn(
+            "redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        )
+        wait_port(port, redis, timeout_s=10)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        return self.redis_url
 
     def spawn_gateway(
         self, name: str, engine_url: str, redis_url: str, env: dict | None = None
@@ -239,6 +260,13 @@ async def run(
             else {"engine /v1/chat": (f"{engine_url}{chat_path}", chats, {}, "")}
         ),
     }
+    if stack is not None and stack.null_proxy_url:
+        targets["null proxy /generate (ids)"] = (
+            f"{stack.null_proxy_url}/generate",
+            generates,
+            {},
+            "null-proxy",
+        )
     for label, url in gateways.items():
         process = "gateway-base" if label == "base" else "gateway"
         targets[f"{label} /v1/chat main"] = (f"{url}{chat_path}", chats, {}, process)

@@ -7,6 +7,7 @@ second sync out until the lock's TTL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -265,20 +266,39 @@ class LongGeneration(threading.Thread):
     through a gateway (greedy: the random model loops on one token, never its end of text);
     keeps the answer."""
 
-    def __init__(self, replica, tokens: int):
+    def __init__(self, replica, tokens: int, stream: bool = False):
         super().__init__(daemon=True)
-        self.replica, self.tokens = replica, tokens
+        self.replica, self.tokens, self.stream = replica, tokens, stream
         self.session = f"long-{uuid.uuid4().hex[:8]}"
         self.reply: httpx.Response | None = None
 
     def run(self):
+        streaming = {"stream": True, "stream_options": {"include_usage": True}}
         self.reply = httpx.post(
             f"{self.replica.url}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "Tell me a long story."}],
-                  "max_tokens": self.tokens, "temperature": 0},
+                  "max_tokens": self.tokens, "temperature": 0,
+                  **(streaming if self.stream else {})},
             headers={"X-Session-Id": self.session, "X-Session-Done": "true"},
             timeout=600,
         )  # fmt: skip
+
+    def answer(self) -> tuple[int, list[str]]:
+        """(completion tokens, the system fingerprints it carried in order, repeats left out),
+        streamed or not."""
+        assert self.reply is not None and self.reply.status_code == 200, self.reply
+        if not self.stream:
+            body = self.reply.json()
+            return body["usage"]["completion_tokens"], [body["system_fingerprint"]]
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in self.reply.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert self.reply.text.rstrip().endswith("data: [DONE]")
+        usage = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+        fingerprints = list(dict.fromkeys(chunk["system_fingerprint"] for chunk in chunks))
+        return usage[-1]["completion_tokens"], fingerprints
 
     def started(self) -> None:
         """Returns once the generation runs (the gateway counts it in flight)."""
@@ -329,14 +349,15 @@ def sync_in_process(sync_env, replicas, engines, version: int, path) -> SyncResu
     return asyncio.run(go())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_sync_retracts_a_long_generation_which_completes_on_the_new_weights(
-    replicas, engine, checkpoints, sync_env, redis_url
+    replicas, engine, checkpoints, sync_env, redis_url, stream
 ):
     """The pause ends within the drain budget + the load, not after the generation; the
     generation completes, continued on the new weights, and its turn records both versions."""
     old = int(engine_weights(engine)[0])
-    new = old + 10
-    long = LongGeneration(replicas[0], tokens_for(engine, 8.0))
+    new = old + (20 if stream else 10)
+    long = LongGeneration(replicas[0], tokens_for(engine, 8.0), stream=stream)
     long.started()
     result = sync_in_process(sync_env, replicas, [engine], new, checkpoints["v2"])
     assert long.is_alive(), "the generation ended before the sync: it proves nothing"
@@ -345,10 +366,10 @@ def test_a_sync_retracts_a_long_generation_which_completes_on_the_new_weights(
     assert result.pause_s < result.drain_s + result.load_s + 1.0, result
     assert "1 generation(s) retracted" in result.summary()
     long.join(timeout=600)
-    assert long.reply is not None and long.reply.status_code == 200, long.reply
-    body = long.reply.json()
-    assert body["usage"]["completion_tokens"] == long.tokens
-    assert body["system_fingerprint"] == f"clawrl-policy-v{new}"
+    # A whole reply names the version that finished it; a stream's chunks name the weights of
+    # their tokens: the old ones up to the sync, the new ones after it.
+    expected = [f"clawrl-policy-v{v}" for v in ((old, new) if stream else (new,))]
+    assert long.answer() == (long.tokens, expected)
     turn = long.turn(redis_url)
     assert turn.HasField("admitted_policy_version")
     assert (turn.admitted_policy_version, turn.policy_version, turn.weight_version) == (
@@ -434,3 +455,56 @@ def test_the_launcher_continues_the_engines_after_a_sync_that_died_retracting(
     value = metrics.registry.get_sample_value
     assert value("clawrl_weight_sync_syncs_total", {"outcome": "crashed"}) == 1
     assert value("clawrl_weight_sync_continue_failures_total") == 0
+
+
+@pytest.mark.parametrize("sync_running", [False, True], ids=["lock free", "lock held"])
+def test_a_starting_launcher_continues_engines_a_dead_launcher_left_paused(
+    engine, sync_env, redis_url, sync_running
+):
+    """The job and its launcher both died with the engine paused (retract): a launcher that
+    starts continues it, unless a sync holds the lock (that sync continues its engines)."""
+    lock_key = f"{sync_env['CLAWRL_SYNC__LOCK_KEY']}-start-{uuid.uuid4().hex[:6]}"
+    client = redis.Redis.from_url(redis_url)
+    if sync_running:
+        client.set(lock_key, "job-elsewhere", ex=60)
+    httpx.post(f"{engine}/pause_generation", json={"mode": "retract"}, timeout=10)
+    held: list[httpx.Response] = []
+    generation = threading.Thread(
+        target=lambda: held.append(httpx.post(
+            f"{engine}/generate",
+            json={"text": "Paused?", "sampling_params": {"max_new_tokens": 4}},
+            timeout=120,
+        )),
+        daemon=True,
+    )  # fmt: skip
+    generation.start()
+    generation.join(timeout=1.0)
+    assert generation.is_alive(), "the paused engine answered"
+    settings = WeightSyncSettings(
+        redis={"url": redis_url, "versions_stream": sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]},
+        engines={"urls": [engine]},
+        sync={"results_stream": sync_env["CLAWRL_SYNC__RESULTS_STREAM"], "lock_key": lock_key},
+    )
+    metrics = WeightSyncMetrics()
+
+    async def never(ready: VersionReady) -> int:
+        raise AssertionError("no sync is launched by start()")
+
+    async def go():
+        async_client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            await SyncWatcher(settings, async_client, never, metrics).start()
+        finally:
+            await async_client.aclose()
+
+    try:
+        asyncio.run(go())
+        generation.join(timeout=3.0 if sync_running else 60)
+        # Still held under a running sync (whose own continue ends it); answered otherwise.
+        assert generation.is_alive() == sync_running
+    finally:
+        httpx.post(f"{engine}/continue_generation", json={}, timeout=10)
+        client.delete(lock_key)
+        generation.join(timeout=60)
+    assert held and held[0].status_code == 200, held
+    assert metrics.registry.get_sample_value("clawrl_weight_sync_continue_failures_total") == 0

@@ -85,10 +85,10 @@ class Generation:
             self.top_logprobs = list(tops)
         else:
             added = text
-            self.ids = self.ids + ids
-            self.logprobs = self.logprobs + logprobs
-            self.token_texts = self.token_texts + texts
-            self.top_logprobs = self.top_logprobs + list(tops)
+            self.ids += ids  # in place: copying per event made a long stream quadratic
+            self.logprobs += logprobs
+            self.token_texts += texts
+            self.top_logprobs += tops
             self.text += text
         if len(self.logprobs) != len(self.ids):
             raise EngineBadReply(
@@ -429,20 +429,22 @@ class ChatService:
             await release()
             yield await self._stream_failed(stream, exc)
             return
-        # The first event already tells which weights are sampling.
-        policy_version = policy_version_of(generation.weight_version, stream.gate_version)
         base = {
             "id": stream.request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": self.model_name,
-            "system_fingerprint": f"clawrl-policy-v{policy_version}",
         }
         usage_key = {"usage": None} if request.include_usage else {}
 
+        def head() -> dict[str, Any]:
+            # The weights of the latest event: a sync mid-stream shows from the next chunk on.
+            version = policy_version_of(generation.weight_version, stream.gate_version)
+            return {**base, "system_fingerprint": f"clawrl-policy-v{version}"}
+
         def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return b"data: " + orjson.dumps({**base, "choices": [choice], **usage_key}) + b"\n\n"
+            return b"data: " + orjson.dumps({**head(), "choices": [choice], **usage_key}) + b"\n\n"
 
         parser = StreamingToolCallParser(
             self.tool_call_parser if request.parse_tool_calls else "none"
@@ -504,7 +506,7 @@ class ChatService:
         yield chunk({}, finish)
         if request.include_usage:
             usage = self._usage(generation, len(stream.prompt_ids))
-            yield b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: " + orjson.dumps({**head(), "choices": [], "usage": usage}) + b"\n\n"
         yield DONE
 
     async def _stream_failed(self, stream: StreamState, exc: Exception) -> bytes:

@@ -112,9 +112,19 @@ class SyncWatcher:
     async def start(self) -> None:
         """Follow the results from now on. What the engines serve is not taken from old
         results: they may have restarted on their initial weights, so the newest announced
-        version is synced once at start (the job skips it when every engine serves it)."""
+        version is synced once at start (the job skips it when every engine serves it).
+
+        A launcher that died with its job (the trainer pod lost) may have left the engines
+        paused by a retracting sync that nobody continues; with no sync running (its lock is
+        free) /continue_generation is harmless, so every engine gets one now."""
         newest = await self.redis.xrevrange(self.settings.sync.results_stream, count=1)
         self._results_id = newest[0][0] if newest else "0-0"
+        if await self.redis.exists(self.settings.sync.lock_key):
+            log.info("a sync holds the lock at start: leaving the engines to it")
+            return
+        for error in await continue_every_engine(self.settings.engines):
+            self.metrics.continue_failures.inc()
+            log.error("continuing the engines at start: %s", error)
 
     async def run_forever(self) -> None:
         await self.start()
