@@ -511,3 +511,15 @@ def test_a_model_on_the_volume_is_not_downloaded() -> None:
         c["name"] for o in downloading for _, s in pod_specs(o) for c in s.get("initContainers", [])
     ]
     assert "fetch-model" in fetches and "fetch-judge-tokenizer" in fetches
+
+
+@pytest.mark.parametrize(
+    "where, container", [("clawrl-trainer/head", "ray-head"), ("clawrl-trainer/gpu", "ray-worker")]
+)
+def test_ray_runs_the_training_actors_at_normal_priority(
+    where: str, container: str, default_objects: list[dict]
+) -> None:
+    """Ray's default niceness of 15 for worker processes starves the training actor of CPU
+    beside anything else busy on the node (make run: trainer steps took minutes, not seconds)."""
+    env = container_env(default_objects, "RayJob", where, container)
+    assert env["RAY_worker_niceness"] == "0"
