@@ -105,16 +105,24 @@ async def run(args: argparse.Namespace, work: Path) -> None:
     engine, url = start_engine(args.model, work, args.engine_threads)
     try:
         started = time.perf_counter()
-        samples = await rollouts(url, AutoTokenizer.from_pretrained(model_dir), args.batch,
-                                 args.new_tokens)  # fmt: skip
+        try:
+            samples = await rollouts(url, AutoTokenizer.from_pretrained(model_dir), args.batch,
+                                     args.new_tokens)  # fmt: skip
+        except Exception:
+            print((work / "engine.log").read_text(errors="replace")[-3000:])
+            raise
         rollout_s = time.perf_counter() - started
-    except Exception:
-        print((work / "engine.log").read_text(errors="replace")[-3000:])
-        engine.terminate()
-        raise
-    if not args.serving_clients:
+        await measure(args, work, url, samples, rollout_s)
+    finally:
         engine.terminate()
         engine.wait()
+
+
+async def measure(
+    args: argparse.Namespace, work: Path, url: str, samples: list[Sample], rollout_s: float
+) -> None:
+    """The trainer's steps on `samples` (the engine at `url` serving beside them when asked),
+    and the table."""
     redis_port = free_port()
     redis_proc = start_redis(redis_port, work, "bench-redis")
     redis = Redis.from_url(f"redis://127.0.0.1:{redis_port}/0")
@@ -154,8 +162,6 @@ async def run(args: argparse.Namespace, work: Path) -> None:
     serving_s = time.perf_counter() - serving_started
     if serving:
         serving.cancel()
-        engine.terminate()
-        engine.wait()
     await redis.aclose()
     redis_proc.stop()
 

@@ -22,7 +22,7 @@ def make_app(engine_url: str):
     async def app(scope, receive, send) -> None:
         nonlocal session
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             if session is not None:
                 await session.close()

@@ -409,11 +409,9 @@ def test_a_failing_load_after_a_retract_still_continues_the_engines(
     assert not any(r.status().paused for r in replicas)
 
 
-def test_the_launcher_continues_the_engines_after_a_sync_that_died_retracting(
-    engine, sync_env, redis_url
-):
-    """A job killed between /pause_generation and /continue_generation leaves the engine
-    paused; the launcher, seeing the job end without a result, continues every engine."""
+def held_by_a_paused_engine(engine: str) -> tuple[threading.Thread, list[httpx.Response]]:
+    """The engine paused as a retracting sync leaves it, and a generation it holds: the thread
+    sending it and where its reply will land."""
     httpx.post(f"{engine}/pause_generation", json={"mode": "retract"}, timeout=10)
     held: list[httpx.Response] = []
     generation = threading.Thread(
@@ -427,6 +425,15 @@ def test_the_launcher_continues_the_engines_after_a_sync_that_died_retracting(
     generation.start()
     generation.join(timeout=1.0)
     assert generation.is_alive(), "the paused engine answered"
+    return generation, held
+
+
+def test_the_launcher_continues_the_engines_after_a_sync_that_died_retracting(
+    engine, sync_env, redis_url
+):
+    """A job killed between /pause_generation and /continue_generation leaves the engine
+    paused; the launcher, seeing the job end without a result, continues every engine."""
+    generation, held = held_by_a_paused_engine(engine)
     settings = WeightSyncSettings(
         redis={"url": redis_url, "versions_stream": sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]},
         engines={"urls": [engine]},
@@ -467,19 +474,7 @@ def test_a_starting_launcher_continues_engines_a_dead_launcher_left_paused(
     client = redis.Redis.from_url(redis_url)
     if sync_running:
         client.set(lock_key, "job-elsewhere", ex=60)
-    httpx.post(f"{engine}/pause_generation", json={"mode": "retract"}, timeout=10)
-    held: list[httpx.Response] = []
-    generation = threading.Thread(
-        target=lambda: held.append(httpx.post(
-            f"{engine}/generate",
-            json={"text": "Paused?", "sampling_params": {"max_new_tokens": 4}},
-            timeout=120,
-        )),
-        daemon=True,
-    )  # fmt: skip
-    generation.start()
-    generation.join(timeout=1.0)
-    assert generation.is_alive(), "the paused engine answered"
+    generation, held = held_by_a_paused_engine(engine)
     settings = WeightSyncSettings(
         redis={"url": redis_url, "versions_stream": sync_env["CLAWRL_REDIS__VERSIONS_STREAM"]},
         engines={"urls": [engine]},

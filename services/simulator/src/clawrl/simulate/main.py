@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -101,10 +100,8 @@ async def simulate(args: argparse.Namespace) -> int:
     )
     simulation = Simulation(client, model, config)
     loop = asyncio.get_running_loop()
-    # Ctrl-C stops starting sessions and still reports; loops without signal handlers
-    # (Windows) raise NotImplementedError and keep Python's default Ctrl-C instead.
-    with contextlib.suppress(NotImplementedError):
-        loop.add_signal_handler(signal.SIGINT, simulation.stop.set)
+    # Ctrl-C stops starting sessions and still reports.
+    loop.add_signal_handler(signal.SIGINT, simulation.stop.set)
     print(f"simulating against {args.base_url} ({model}), run {run_id}", flush=True)
     progress = await simulation.run()
     rewards = []
