@@ -138,6 +138,11 @@ class Users:
             thread.join(timeout=120)
 
 
+def newest_synced(r: redis.Redis) -> int:
+    results = [SyncResult.from_fields(f) for _, f in r.xrange("clawrl:weight-syncs")]
+    return max((s.version for s in results if s.outcome == "ok"), default=0)
+
+
 def response_logprobs(model, sample: Sample) -> torch.Tensor:
     """[R] raw log-probs of the sample's response under `model`."""
     ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
@@ -159,14 +164,19 @@ def test_the_policy_learns_the_preference_through_the_whole_loop(stack):
 
     r = redis.Redis(port=ports["redis"])
     # The policy version advanced everywhere: syncs succeeded, the gateway serves a new version.
-    syncs = [SyncResult.from_fields(f) for _, f in r.xrange("clawrl:weight-syncs")]
-    newest = max(s.version for s in syncs if s.outcome == "ok")
-    assert newest >= STEPS - 1
+    # Syncs trail the trainer (a tiny model's step is quicker than a sync, and announcements that
+    # arrive during a sync collapse to the newest), so the last versions are waited for.
+    wait_until(lambda: newest_synced(r) >= STEPS - 1, 300, f"a sync of v{STEPS - 1} or newer")
+    newest = newest_synced(r)
     with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
-        status = control_pb2_grpc.GatewayControlStub(channel).GetStatus(
-            control_pb2.GetStatusRequest(), timeout=5
-        )
-    assert status.policy_version >= newest and not status.paused
+        gateway = control_pb2_grpc.GatewayControlStub(channel)
+
+        def serves_newest() -> bool:
+            status = gateway.GetStatus(control_pb2.GetStatusRequest(), timeout=5)
+            return status.policy_version >= newest and not status.paused
+
+        # Not paused for good: a sync of a version the trainer made meanwhile may pause it briefly.
+        wait_until(serves_newest, 120, f"the gateway serving v{newest}, unpaused")
 
     samples = [decode_entry(f, Sample) for _, f in r.xrange("clawrl:samples")]
     trained = [s for s in samples if any(s.loss_mask)]
