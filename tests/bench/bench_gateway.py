@@ -11,7 +11,8 @@ With `--instant-engine` the engine is a stand-in (tests/bench/instant_engine.py,
 answers /generate at once, so only the gateway's own cost shows: the gateway rows are compared
 with the stand-in's /generate called directly. A `null proxy` row (tests/bench/null_proxy.py: the
 gateway's server and client stack forwarding bytes, doing no work) shows what the extra hop alone
-costs, the floor under any gateway.
+costs, the floor under any gateway; `null proxy + Redis SET` also writes each reply to Redis
+before answering, the floor under a gateway that stores a main turn before its response ends.
 
     .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
         [--max-tokens 6] [--rounds 2] [--instant-engine] [--baseline main]
@@ -97,7 +98,7 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.redis_url = ""
         self.baseline_url: str | None = None
-        self.null_proxy_url: str | None = None
+        self.null_proxies: dict[str, str] = {}  # process name -> URL (instant engine only)
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
@@ -134,14 +135,16 @@ class Stack:
         )
         gateway_url = self.spawn_gateway("gateway", engine_url, redis_url)
         if instant:
-            proxy_port = free_port()
-            proxy = self.spawn(
-                "null-proxy",
-                [sys.executable, str(Path(__file__).with_name("null_proxy.py")),
-                 "--port", str(proxy_port), "--engine-url", engine_url],
-            )  # fmt: skip
-            wait_port(proxy_port, proxy)
-            self.null_proxy_url = self.urls["null-proxy"] = f"http://127.0.0.1:{proxy_port}"
+            proxies = {"null-proxy": [], "null-proxy-redis": ["--redis-url", redis_url]}
+            for name, extra in proxies.items():
+                proxy_port = free_port()
+                proxy = self.spawn(
+                    name,
+                    [sys.executable, str(Path(__file__).with_name("null_proxy.py")),
+                     "--port", str(proxy_port), "--engine-url", engine_url, *extra],
+                )  # fmt: skip
+                wait_port(proxy_port, proxy)
+                self.null_proxies[name] = self.urls[name] = f"http://127.0.0.1:{proxy_port}"
         if baseline is not None:
             self.baseline_url = self.spawn_gateway(
                 "gateway-base", engine_url, redis_url, {"PYTHONPATH": source_path(baseline)}
@@ -260,13 +263,9 @@ async def run(
             else {"engine /v1/chat": (f"{engine_url}{chat_path}", chats, {}, "")}
         ),
     }
-    if stack is not None and stack.null_proxy_url:
-        targets["null proxy /generate (ids)"] = (
-            f"{stack.null_proxy_url}/generate",
-            generates,
-            {},
-            "null-proxy",
-        )
+    for process, url in (stack.null_proxies if stack else {}).items():
+        label = "null proxy + Redis SET" if process.endswith("redis") else "null proxy /generate"
+        targets[label] = (f"{url}/generate", generates, {}, process)
     for label, url in gateways.items():
         process = "gateway-base" if label == "base" else "gateway"
         targets[f"{label} /v1/chat main"] = (f"{url}{chat_path}", chats, {}, process)

@@ -5,19 +5,30 @@ bytes, doing nothing else: no parsing, no template, no session, no Redis. What i
 calling the engine directly is the cost of the extra hop itself, which no work inside the
 gateway can remove.
 
+With `--redis-url` it also writes each reply to Redis (one SET, with the gateway's own Redis
+client and settings) before answering: the floor of a gateway that, like ours, stores a turn
+before the client sees its response.
+
     .venv/bin/python tests/bench/null_proxy.py --port 30120 --engine-url http://127.0.0.1:30110
+        [--redis-url redis://127.0.0.1:6379/0]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import aiohttp
 import uvicorn
 
+from clawrl.gateway.app import create_redis
+from clawrl.gateway.settings import GatewaySettings
 
-def make_app(engine_url: str):
+
+def make_app(engine_url: str, redis_url: str | None = None):
     session: aiohttp.ClientSession | None = None
+    redis = create_redis(GatewaySettings(redis={"url": redis_url})) if redis_url else None
+    counter = itertools.count()
 
     async def app(scope, receive, send) -> None:
         nonlocal session
@@ -26,6 +37,8 @@ def make_app(engine_url: str):
                 await send({"type": "lifespan.startup.complete"})
             if session is not None:
                 await session.close()
+            if redis is not None:
+                await redis.aclose()
             await send({"type": "lifespan.shutdown.complete"})
             return
         if session is None:
@@ -41,6 +54,8 @@ def make_app(engine_url: str):
         ) as reply:
             payload = await reply.read()
             status = reply.status
+        if redis is not None:
+            await redis.set(f"null-proxy:{next(counter)}", payload, ex=60)
         await send(
             {
                 "type": "http.response.start",
@@ -58,9 +73,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--engine-url", required=True)
+    parser.add_argument("--redis-url", help="also SET each reply in this Redis before answering")
     args = parser.parse_args()
     uvicorn.run(
-        make_app(args.engine_url),
+        make_app(args.engine_url, args.redis_url),
         host=args.host,
         port=args.port,
         loop="uvloop",

@@ -173,3 +173,32 @@ def test_models_health_ready_metrics(gateway):
     )
     unknown = httpx.get(f"{gateway.url}/nope", timeout=TIMEOUT)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"]
+
+
+def test_requests_are_counted_by_route_and_status(gateway):
+    """The chat route (answered ahead of FastAPI) and FastAPI's routes alike."""
+    chat = {"route": "/v1/chat/completions"}
+    requests = "clawrl_gateway_requests_total"
+
+    def counts() -> dict[str, float]:
+        return {
+            "chat 200": gateway.metric(requests, **chat, status="200"),
+            "chat 400": gateway.metric(requests, **chat, status="400"),
+            "chat 405": gateway.metric(requests, **chat, status="405"),
+            "models 200": gateway.metric(requests, route="/v1/models", status="200"),
+            "other 404": gateway.metric(requests, route="other", status="404"),
+            "chat latency": gateway.metric("clawrl_gateway_request_duration_seconds_count", **chat),
+        }
+
+    before = counts()
+    gateway.chat([user("hi")], headers={"X-Turn-Type": "side"})
+    url = f"{gateway.url}/v1/chat/completions"
+    assert httpx.post(url, json={"messages": []}, timeout=TIMEOUT).status_code == 400
+    assert httpx.get(url, timeout=TIMEOUT).status_code == 405
+    assert httpx.get(f"{gateway.url}/v1/models", timeout=TIMEOUT).status_code == 200
+    assert httpx.get(f"{gateway.url}/nope", timeout=TIMEOUT).status_code == 404
+    after = counts()
+    assert {key: after[key] - before[key] for key in before} == {
+        "chat 200": 1, "chat 400": 1, "chat 405": 1, "models 200": 1, "other 404": 1,
+        "chat latency": 3,
+    }  # fmt: skip

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_keep_alive=75,
+        proxy_headers=False,  # scope["client"] is never used; skip its rewrite per request
     )
 
 
