@@ -48,6 +48,7 @@ def quantiles(histogram: str, by: str = "", match: str = "", legend: str = "") -
 
 
 CHAT = '{route="/v1/chat/completions"}'
+GC_PAUSES = "clawrl_gateway_gc_pause_seconds_total"
 SERVER_ERRORS = '{status=~"5.."}'
 ACCEPTED = '{result="accepted"}'
 
@@ -146,6 +147,13 @@ SERVING = [
             (rate("clawrl_gateway_history_mismatches_total"), "history mismatches"),
         ),
         "Serving goes on when recording fails; every failure is counted here.",
+    ),
+    Panel(
+        "Garbage-collection pauses",
+        "percentunit",
+        ((rate(GC_PAUSES, "job, generation"), "{{job}} generation {{generation}}"),),
+        "Share of the time the gateway's collector stopped every request. Start-up state is "
+        "frozen out of collection, so full (generation 2) collections stay short.",
     ),
 ]
 

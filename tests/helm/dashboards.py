@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from clawrl.common.metrics import GarbageCollection
 from clawrl.engine.metrics import EngineMetrics
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.judge.metrics import JudgeMetrics
@@ -72,5 +73,9 @@ def known_metric_names() -> set[str]:
                 WeightSyncMetrics())  # fmt: skip
     for metrics in services:
         names |= exported(metrics.registry)
+    for service in ("gateway", "engine"):  # installed by the serving processes at start
+        registry = CollectorRegistry()
+        registry.register(GarbageCollection(service))
+        names |= exported(registry)
     documented = SGLANG_DOCUMENTED.read_text().splitlines()
     return names | {line.strip() for line in documented if line.strip() and line[0] != "#"}

@@ -251,6 +251,9 @@ def test_metrics_use_sglang_names_and_labels(url):
     assert metric(url, "sglang:generation_tokens_total", model_name=MODEL) > 0
     for name in ("rejected_requests", "weight_updates", "max_decode_batch_size"):
         assert f"# TYPE clawrl_engine_{name}" in text
+    # The model and torch were frozen out of garbage collection once loaded.
+    assert metric(url, "clawrl_engine_gc_frozen_objects") > 100_000
+    assert "clawrl_engine_gc_pause_seconds_total{" in text
 
 
 def test_openai_models_and_chat(url):

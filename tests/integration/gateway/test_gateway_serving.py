@@ -173,6 +173,9 @@ def test_models_health_ready_metrics(gateway):
     )
     unknown = httpx.get(f"{gateway.url}/nope", timeout=TIMEOUT)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"]
+    # The tokenizer, torch and transformers were frozen out of garbage collection at start.
+    assert gateway.metric("clawrl_gateway_gc_frozen_objects") > 100_000
+    assert "clawrl_gateway_gc_pause_seconds_total{" in text
 
 
 def test_requests_are_counted_by_route_and_status(gateway):

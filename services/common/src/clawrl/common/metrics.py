@@ -4,7 +4,12 @@ metrics on a `CollectorRegistry` it creates at start (no process-wide registry),
 
 from __future__ import annotations
 
+import gc
+import time
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Request latencies from a millisecond (gateway overhead) up to minutes (long CPU generations).
 LATENCY_BUCKETS_S = (
@@ -32,3 +37,64 @@ TOKEN_COUNT_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     """The registry in Prometheus text format, with its content type, for a /metrics route."""
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class GarbageCollection:
+    """The garbage collector as a serving process sees it. `freeze()`, once start-up is done,
+    moves every object built so far (the model or tokenizer, torch and transformers: ~350k
+    objects) into the permanent generation, so that a full collection no longer rescans them:
+    full collections are rare (none in 4,000 gateway requests), but each took 0.3 s on
+    2 cores with that heap, a stall for every request in flight. The metrics, named
+    `clawrl_<service>_gc_*`, are collections and pause seconds by generation and the frozen
+    objects; they are read at scrape time, because the collector's callback may interrupt
+    code that holds a metric's lock."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.collections = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def freeze(self) -> int:
+        """Collect what start-up left as garbage, then freeze the rest; how many objects."""
+        gc.collect()
+        gc.freeze()
+        return gc.get_freeze_count()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.collections[generation] += 1
+        self.pause_s[generation] += time.perf_counter() - self._started
+
+    def install(self, registry: CollectorRegistry) -> None:
+        gc.callbacks.append(self._on_gc)
+        registry.register(self)
+
+    def uninstall(self, registry: CollectorRegistry) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        registry.unregister(self)
+
+    def collect(self) -> Iterator:
+        name = f"clawrl_{self.service}_gc"
+        pauses = CounterMetricFamily(
+            f"{name}_pause_seconds",
+            "Time spent in garbage collections (every thread waits), by generation.",
+            labels=["generation"],
+        )
+        counts = CounterMetricFamily(
+            f"{name}_collections", "Garbage collections, by generation.", labels=["generation"]
+        )
+        for generation in range(3):
+            pauses.add_metric([str(generation)], self.pause_s[generation])
+            counts.add_metric([str(generation)], self.collections[generation])
+        yield pauses
+        yield counts
+        yield GaugeMetricFamily(
+            f"{name}_frozen_objects",
+            "Objects kept out of garbage collection (what start-up built).",
+            value=gc.get_freeze_count(),
+        )

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from clawrl.common.chat import ChatRenderer
-from clawrl.common.metrics import exposition
+from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
 from clawrl.common.sglang_client import EngineError, SGLangClient
 from clawrl.gateway.control import PauseGate, start_control_server
@@ -267,6 +267,9 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             drain_timeout_s=settings.control.drain_timeout_s,
         )
         sweeper = asyncio.create_task(recorder.sweep_forever(), name="idle-sweeper")
+        collector = GarbageCollection("gateway")
+        collector.install(metrics.registry)
+        frozen = collector.freeze()
         app.state.gateway = Gateway(
             settings=settings,
             service=service,
@@ -281,17 +284,20 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             control_port=control_port,
         )
         log.info(
-            "gateway %s serving %s (context %d, policy v%d) from %s; control gRPC on port %d",
+            "gateway %s serving %s (context %d, policy v%d) from %s; control gRPC on port %d; "
+            "%d start-up objects frozen out of garbage collection",
             settings.gateway_id,
             name,
             window,
             gate.policy_version,
             settings.serving.engine_url,
             control_port,
+            frozen,
         )
         try:
             yield
         finally:
+            collector.uninstall(metrics.registry)
             sweeper.cancel()
             await control.stop(grace=2)
             await engine.aclose()

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from clawrl.common.chat import ChatRenderer
-from clawrl.common.metrics import exposition
+from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import served_model_name
 from clawrl.engine.cpu.engine import CpuEngine, UpdateResult
 from clawrl.engine.cpu.scheduler import QueueFullError
@@ -89,9 +89,21 @@ def create_app(settings: EngineSettings) -> FastAPI:
             default_max_new_tokens=settings.engine.default_max_new_tokens,
             eos_token_ids=engine.eos_token_ids,
         )
-        log.info("serving %s on %s:%d", served_name, settings.engine.host, settings.engine.port)
-        yield
-        await engine.close()
+        collector = GarbageCollection("engine")
+        collector.install(state.metrics.registry)
+        frozen = collector.freeze()  # the model and torch: no full collection rescans them
+        log.info(
+            "serving %s on %s:%d (%d start-up objects frozen out of garbage collection)",
+            served_name,
+            settings.engine.host,
+            settings.engine.port,
+            frozen,
+        )
+        try:
+            yield
+        finally:
+            collector.uninstall(state.metrics.registry)
+            await engine.close()
 
     app = FastAPI(title="clawrl CPU engine (SGLang API)", lifespan=lifespan)
     app.state.clawrl = state
