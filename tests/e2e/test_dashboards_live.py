@@ -6,19 +6,16 @@ busy (a panel that shows nothing for a busy service is a bug)."""
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import REPO, free_port, wait_until
+from tests.conftest import wait_until
+from tests.e2e.local_stack import local_stack
 from tests.helm.dashboards import dashboards, queries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -27,35 +24,14 @@ BUSY = ("serving", "engines")  # the services the local stack runs and this test
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> dict[str, int]:
-    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grpc",
-             "judge-metrics", "trainer-metrics", "sync-metrics")  # fmt: skip
-    ports = {name: free_port() for name in names}
-    run_dir: Path = tmp_path_factory.mktemp("stack")
-    log = (run_dir / "stack.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "deploy/local/stack.py"),
-         "--policy-model", "smollm2-tiny", "--judge-model", "smollm2-tiny",
-         *[arg for name in names for arg in (f"--{name}-port", str(ports[name]))],
-         "--run-dir", str(run_dir)],
-        stdout=log, stderr=subprocess.STDOUT,
-        # The judge's votes on the tiny model are noise: keep them short.
-        env={**os.environ, "CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"},
-    )  # fmt: skip
-    try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{ports['prometheus']}/-/ready").status_code
-            == 200,
-            420, "local stack with prometheus", proc,
-        )  # fmt: skip
-    except Exception:
-        proc.kill()
-        print((run_dir / "stack.log").read_text())
-        raise
-    yield ports
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    log.close()
+def stack(tmp_path_factory) -> Iterator[dict[str, int]]:
+    run_dir = tmp_path_factory.mktemp("stack")
+    # The judge's votes on the tiny model are noise: keep them short.
+    short_votes = {"CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"}
+    with local_stack(
+        run_dir, ("prometheus", "/-/ready"), env=short_votes, ready_timeout_s=420
+    ) as ports:
+        yield ports
 
 
 def instant(port: int, expr: str) -> dict:

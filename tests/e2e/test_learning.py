@@ -9,13 +9,11 @@ another's."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -31,52 +29,28 @@ from clawrl.common.proto import control_pb2, control_pb2_grpc
 from clawrl.common.records import Sample, decode_entry
 from clawrl.common.settings import ModelSettings
 from clawrl.trainer.weight_sync.job import SyncResult
-from tests.conftest import REPO, free_port, wait_until
+from tests.conftest import REPO, wait_until
+from tests.e2e.local_stack import MODEL, local_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(1500)]
 
-MODEL = "smollm2-tiny"
 STEPS = 14  # trainer steps (= policy versions: one sync per step) the test waits for
-NAMES = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grpc",
-         "judge-metrics", "trainer-metrics", "sync-metrics")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    ports = {name: free_port() for name in NAMES}
+def stack(tmp_path_factory) -> Iterator[tuple[dict[str, int], Path]]:
     run_dir: Path = tmp_path_factory.mktemp("learning")
-    log = (run_dir / "stack.log").open("wb")
     env = {
-        **os.environ,
-        "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         # A tiny random model learns a token preference in a few steps only with a large step.
         "CLAWRL_PPO__LR": "0.1",
         "CLAWRL_CHECKPOINT__KEEP_VERSIONS": "100",
     }
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "deploy/local/stack.py"),
-         "--policy-model", MODEL, "--judge-model", MODEL,
-         *[arg for name in NAMES for arg in (f"--{name}-port", str(ports[name]))],
-         "--reward-fn", "tests.e2e.learning_reward:preferred_half",
-         "--batch-size", "8", "--sync-interval", "1", "--status-interval", "5",
-         "--run-dir", str(run_dir)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{ports['sync-metrics']}/metrics").status_code
-            == 200,
-            900, "local stack", proc,
-        )  # fmt: skip
-    except Exception:
-        proc.kill()
-        print((run_dir / "stack.log").read_text())
-        raise
-    yield ports, run_dir
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-    log.close()
+    args = ("--reward-fn", "tests.e2e.learning_reward:preferred_half", "--batch-size", "8",
+            "--sync-interval", "1", "--status-interval", "5")  # fmt: skip
+    with local_stack(run_dir, ("sync-metrics", "/metrics"), *args, env=env,
+                     ready_timeout_s=900, stop_timeout_s=120) as ports:  # fmt: skip
+        yield ports, run_dir
 
 
 def trainer_step(port: int) -> int:

@@ -3,11 +3,7 @@ gateway, the finished turns land on the Redis stream, and Ctrl-C (SIGTERM) stops
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -17,46 +13,19 @@ from openai import OpenAI
 
 from clawrl.common.proto.records_pb2 import MaskReason
 from clawrl.common.records import Sample, Turn, decode_entry
-from tests.conftest import REPO, free_port, wait_until
+from tests.conftest import wait_until
+from tests.e2e.local_stack import local_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> dict[str, int]:
-    names = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge_grpc",
-             "judge_metrics", "trainer_metrics", "sync_metrics")  # fmt: skip
-    ports = {name: free_port() for name in names}
-    run_dir: Path = tmp_path_factory.mktemp("stack")
-    log = (run_dir / "stack.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "deploy/local/stack.py"),
-         "--policy-model", "smollm2-tiny", "--judge-model", "smollm2-tiny",
-         "--gateway-port", str(ports["gateway"]), "--grpc-port", str(ports["grpc"]),
-         "--policy-port", str(ports["policy"]), "--judge-port", str(ports["judge"]),
-         "--redis-port", str(ports["redis"]), "--prometheus-port", str(ports["prometheus"]),
-         "--run-dir", str(run_dir), "--judge-grpc-port", str(ports["judge_grpc"]),
-         "--judge-metrics-port", str(ports["judge_metrics"]),
-         "--trainer-metrics-port", str(ports["trainer_metrics"]),
-         "--sync-metrics-port", str(ports["sync_metrics"])],
-        stdout=log, stderr=subprocess.STDOUT,
-        # Short votes: the tiny judge model's text is noise, only the mechanics are tested.
-        env={**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
-             "CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"},
-    )  # fmt: skip
-    try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{ports['gateway']}/readyz").status_code == 200,
-            480, "local stack", proc,
-        )  # fmt: skip
-    except Exception:
-        proc.kill()
-        print((run_dir / "stack.log").read_text())
-        raise
-    yield ports
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    log.close()
+def stack(tmp_path_factory) -> Iterator[dict[str, int]]:
+    run_dir = tmp_path_factory.mktemp("stack")
+    # Short votes: the tiny judge model's text is noise, only the mechanics are tested.
+    short_votes = {"CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"}
+    with local_stack(run_dir, ("gateway", "/readyz"), env=short_votes) as ports:
+        yield ports
     # Every child is gone with the stack: its ports are free again.
     for port in ports.values():
         with pytest.raises(httpx.ConnectError):
