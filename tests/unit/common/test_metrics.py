@@ -18,10 +18,13 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def collector():
+    """Automatic collections off, so only the test's own `gc.collect` calls are counted."""
     registry = CollectorRegistry()
     collector = GarbageCollection("test")
     collector.install(registry)
+    gc.disable()
     yield collector, registry
+    gc.enable()
     collector.uninstall(registry)
     gc.unfreeze()
 
