@@ -109,10 +109,11 @@ async def read_body(receive: Receive) -> bytes:
 
 class GatewayApp:
     """The ASGI app uvicorn serves. /v1/chat/completions is answered here, ahead of FastAPI:
-    the hot path skips the framework's middleware stack, routing and request objects, which it
-    does not use (measured: about 0.3 ms of CPU per request on 2 cores). Every other route, and
-    the lifespan that builds the clients, is FastAPI's. Requests of every route are counted by
-    route and status, with their latency up to the end of the body (streams included)."""
+    the hot path skips the framework's routing, request objects and middleware stack, none of
+    which it uses (measured at one client: a side turn 0.4-0.7 ms quicker than behind the
+    middleware). Every other route, and the lifespan that builds the clients, is FastAPI's.
+    Requests of every route are counted by route and status, with their latency up to the end
+    of the body (streams included)."""
 
     def __init__(self, api: FastAPI, metrics: GatewayMetrics):
         self.api = api
