@@ -58,6 +58,23 @@ def test_grpo_group_normalisation() -> None:
         compute_advantages(inputs(), cfg)
 
 
+def test_grpo_by_batch_uses_the_batch_mean_as_baseline() -> None:
+    """One sample per prompt (live traffic): each session is its own group, so normalising by
+    session gives every sample 0; by batch, the one right answer among wrong ones stands out."""
+    rewards = dict(reward=T([-1.0, -1.0, 1.0, -1.0]), old_logp=torch.zeros(4, 2),
+                   teacher_logp=torch.zeros(4, 2), has_teacher=T([False] * 4),
+                   mask=torch.ones(4, 2), group_index=T([0, 1, 2, 3]))  # fmt: skip
+    by_session = AdvantageConfig(estimator="grpo", normalize_groups=True)
+    assert compute_advantages(AdvantageInputs(**rewards), by_session).abs().max() == 0
+    by_batch = AdvantageConfig(estimator="grpo", normalize_groups=True, group_by="batch")
+    adv = compute_advantages(AdvantageInputs(**{**rewards, "group_index": None}), by_batch)
+    # Rewards -1, -1, 1, -1: mean -0.5, unbiased std 1.
+    assert adv[:, 0].tolist() == pytest.approx([-0.5, -0.5, 1.5, -0.5], rel=1e-5)
+    # A batch of equal rewards carries no signal: no sample is pushed either way.
+    same = {**rewards, "reward": T([-1.0] * 4), "group_index": None}
+    assert compute_advantages(AdvantageInputs(**same), by_batch).abs().max() == 0
+
+
 def test_opd_is_teacher_minus_old_and_exactly_zero_without_teacher() -> None:
     adv = compute_advantages(inputs(), AdvantageConfig(estimator="on_policy_distillation"))
     assert adv[0].tolist() == [0.5, -1.0, 0.0]

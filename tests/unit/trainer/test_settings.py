@@ -16,6 +16,10 @@ def test_skeleton_names_reach_the_loss_and_advantage_configs(monkeypatch) -> Non
     assert (loss.kl_coef, loss.entropy_coef, loss.aggregation) == (0.0, 0.0, "token-mean")
     advantage = settings.advantage_config()
     assert (advantage.estimator, advantage.w_rl, advantage.w_opd) == ("combine", 1.0, 0.5)
+    monkeypatch.setenv("CLAWRL_ADVANTAGE__NORMALIZE_GROUPS", "true")
+    monkeypatch.setenv("CLAWRL_ADVANTAGE__GROUP_BY", "batch")
+    advantage = TrainerSettings().advantage_config()
+    assert (advantage.normalize_groups, advantage.group_by) == (True, "batch")
 
 
 def test_bad_values_fail_at_start() -> None:
@@ -23,6 +27,8 @@ def test_bad_values_fail_at_start() -> None:
         TrainerSettings(ppo={"clip_epsilon": 0.2})  # misspelt
     with pytest.raises(ValidationError, match="estimator"):
         TrainerSettings(advantage={"estimator": "gae"})
+    with pytest.raises(ValidationError, match="group_by"):
+        TrainerSettings(advantage={"group_by": "prompt"})
     with pytest.raises(ValidationError, match="dual_clip_c"):
         TrainerSettings(ppo={"dual_clip_c": 0.5})  # must be > 1
     with pytest.raises(ValidationError, match="rollout_batch_size"):

@@ -75,12 +75,16 @@ class AdvantageInputs:
 @dataclass(frozen=True)
 class AdvantageConfig:
     """estimator: a key of ADVANTAGE_ESTIMATORS; w_rl / w_opd weigh combine's two terms;
-    normalize_groups: GRPO group normalisation (off: each turn is its own group)."""
+    normalize_groups: GRPO group normalisation (off: each turn is its own group); group_by:
+    what a group is, the samples of one session ("session", the batch's group_index) or the
+    whole batch ("batch": each reward against the batch's mean, the baseline left when every
+    prompt is sampled once, as live traffic is)."""
 
     estimator: str = "grpo"
     w_rl: float = 1.0
     w_opd: float = 1.0
     normalize_groups: bool = False
+    group_by: str = "session"
     eps: float = 1e-6
 
 
@@ -100,9 +104,13 @@ def grpo_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
     """-> [B, R]: the scalar reward (optionally group-normalised) on every trained token."""
     reward = inputs.reward
     if cfg.normalize_groups:
-        if inputs.group_index is None:
-            raise ValueError("normalize_groups needs a group_index")
-        reward = group_normalized(reward, inputs.group_index, cfg.eps)
+        if cfg.group_by == "batch":
+            groups = torch.zeros_like(reward, dtype=torch.long)
+        elif inputs.group_index is None:
+            raise ValueError("normalize_groups by session needs a group_index")
+        else:
+            groups = inputs.group_index
+        reward = group_normalized(reward, groups, cfg.eps)
     return reward[:, None] * inputs.mask
 
 

@@ -45,8 +45,13 @@ class AdvantageSettings(Section):
     )  # fmt: skip
     normalize_groups: bool = Field(
         False,
-        description="GRPO group normalisation over samples of one session (off: each turn is "
-        "its own group).",
+        description="GRPO group normalisation: each reward minus its group's mean, over the "
+        "group's std (off: the reward itself).",
+    )
+    group_by: Literal["session", "batch"] = Field(
+        "session",
+        description="A group for normalize_groups: the samples of one session, or the whole "
+        "batch (the batch mean as baseline: live traffic samples each prompt once).",
     )
 
 
@@ -289,4 +294,5 @@ class TrainerSettings(ClawrlSettings):
             w_rl=self.combine.w_rl,
             w_opd=self.combine.w_opd,
             normalize_groups=self.advantage.normalize_groups,
+            group_by=self.advantage.group_by,
         )
