@@ -43,6 +43,12 @@ from tests.conftest import free_port, wait_http  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "smollm2-tiny"
+# The floors of --instant-engine: process name -> extra null_proxy.py arguments, row label.
+NULL_PROXIES = {"null-proxy": [], "null-proxy-redis": ["--redis-url", "{redis_url}"]}
+NULL_PROXY_LABELS = {
+    "null-proxy": "null proxy /generate",
+    "null-proxy-redis": "null proxy + Redis SET",
+}
 QUESTIONS = [
     "Write a haiku about the sea.",
     "What is two plus two?",
@@ -135,8 +141,8 @@ class Stack:
         )
         gateway_url = self.spawn_gateway("gateway", engine_url, redis_url)
         if instant:
-            proxies = {"null-proxy": [], "null-proxy-redis": ["--redis-url", redis_url]}
-            for name, extra in proxies.items():
+            for name, extra in NULL_PROXIES.items():
+                extra = [arg.format(redis_url=redis_url) for arg in extra]
                 proxy_port = free_port()
                 proxy = self.spawn(
                     name,
@@ -264,8 +270,7 @@ async def run(
         ),
     }
     for process, url in (stack.null_proxies if stack else {}).items():
-        label = "null proxy + Redis SET" if process.endswith("redis") else "null proxy /generate"
-        targets[label] = (f"{url}/generate", generates, {}, process)
+        targets[NULL_PROXY_LABELS[process]] = (f"{url}/generate", generates, {}, process)
     for label, url in gateways.items():
         process = "gateway-base" if label == "base" else "gateway"
         targets[f"{label} /v1/chat main"] = (f"{url}{chat_path}", chats, {}, process)
