@@ -14,12 +14,19 @@ from redis.asyncio import Redis
 
 @dataclass(frozen=True)
 class VersionReady:
-    """A policy checkpoint that the policy engines can load (`/update_weights_from_disk`)."""
+    """A policy checkpoint that the policy engines can load: full weights
+    (`/update_weights_from_disk`) or, when `adapter` names it, a LoRA adapter
+    (`/load_lora_adapter`, served beside the others with no pause)."""
 
     version: int
-    path: str  # HF safetensors directory, as the engines see it (shared volume)
+    path: str  # HF safetensors or PEFT adapter directory, as the engines see it (shared volume)
     step: int
     created_at: float
+    adapter: str = ""  # the adapter's name ("policy-v3") when `path` is a LoRA adapter
+
+    @property
+    def is_adapter(self) -> bool:
+        return bool(self.adapter)
 
     def fields(self) -> dict[str, str]:
         return {
@@ -27,6 +34,7 @@ class VersionReady:
             "path": self.path,
             "step": str(self.step),
             "created_at": repr(self.created_at),
+            "adapter": self.adapter,
         }
 
     @classmethod
@@ -42,6 +50,7 @@ class VersionReady:
                 path=text["path"],
                 step=int(text.get("step", "0")),
                 created_at=float(text.get("created_at", "0")),
+                adapter=text.get("adapter", ""),
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed version announcement {text!r}: {exc}") from exc
@@ -51,6 +60,11 @@ async def announce(redis: Redis, stream: str, ready: VersionReady, maxlen: int =
     """XADD the announcement; returns the entry id."""
     entry_id = await redis.xadd(stream, ready.fields(), maxlen=maxlen, approximate=True)
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def adapter_name(version: int) -> str:
+    """The name a policy version's LoRA adapter is loaded and requested under."""
+    return f"policy-v{version}"
 
 
 async def latest(redis: Redis, stream: str) -> VersionReady | None:
