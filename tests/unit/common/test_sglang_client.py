@@ -154,3 +154,33 @@ async def test_idle_connections_are_dropped_before_the_server_closes_them() -> N
         await client.aclose()
     assert peers[0] == peers[1]
     assert peers[2] != peers[1]
+
+
+async def test_lora_calls_return_sglangs_reply_and_raise_its_refusal() -> None:
+    # SGLang's bodies: LoRAUpdateOutput on both routes (400 when success is false), and
+    # /v1/models lists each adapter as a card whose parent is the base model.
+    loaded = {"a1": "/ckpt/a1"}
+
+    async def load(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["lora_name"] in loaded:
+            message = f"LoRA adapter {body['lora_name']} is already loaded"
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        loaded[body["lora_name"]] = body["lora_path"]
+        return web.json_response({"success": True, "loaded_adapters": loaded})
+
+    async def models(request: web.Request) -> web.Response:
+        cards = [{"id": "base", "root": "base", "parent": None}]
+        cards += [{"id": n, "root": p, "parent": "base"} for n, p in loaded.items()]
+        return web.json_response({"object": "list", "data": cards})
+
+    async with scripted_engine({"/load_lora_adapter": load, "/v1/models": models}) as url:
+        client = SGLangClient(url)
+        reply = await client.load_lora_adapter("a2", "/ckpt/a2")
+        with pytest.raises(EngineRequestError, match="a1 is already loaded") as info:
+            await client.load_lora_adapter("a1", "/ckpt/a1")
+        adapters = await client.lora_adapters()
+        await client.aclose()
+    assert reply["loaded_adapters"] == {"a1": "/ckpt/a1", "a2": "/ckpt/a2"}
+    assert info.value.status_code == 400
+    assert adapters == {"a1": "/ckpt/a1", "a2": "/ckpt/a2"}

@@ -270,6 +270,48 @@ class SGLangClient:
             payload["weight_version"] = weight_version
         return await self._success_reply("/update_weights_from_distributed", payload)
 
+    async def _lora_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST a LoRA call -> SGLang's `{success, error_message, loaded_adapters}`. A refusal
+        (400 with `success: false`) raises EngineRequestError with the engine's message."""
+        status, body = await self._call("POST", path, payload)
+        try:
+            reply = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            reply = None
+        if isinstance(reply, dict) and "success" in reply:
+            if reply["success"]:
+                return reply
+            raise EngineRequestError(
+                str(reply.get("error_message") or "no details"), status_code=status
+            )
+        raise_for_status(status, body, path)
+        raise EngineUnavailable(f"unexpected reply to {path}: {body[:200]!r}")
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
+        """POST /load_lora_adapter: the engine reads the PEFT adapter directory `path` and
+        serves it as `name` (a request's `lora_path`). Returns the reply; its
+        `loaded_adapters` maps every loaded name to its path."""
+        payload = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        return await self._lora_update("/load_lora_adapter", payload)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter: new requests naming `name` are refused at once; the reply
+        comes once the requests already using it have finished."""
+        return await self._lora_update("/unload_lora_adapter", {"lora_name": name})
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The adapters the engine holds, name -> path, read from GET /v1/models: SGLang lists
+        each adapter there as a card whose `parent` is the base model and `root` its path."""
+        listing = await self._json("GET", "/v1/models")
+        try:
+            return {
+                str(card["id"]): str(card["root"])
+                for card in listing["data"]
+                if card.get("parent") is not None
+            }
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise EngineUnavailable(f"unexpected reply to /v1/models: {listing!r:.200}") from exc
+
     async def get_model_info(self) -> dict[str, Any]:
         return await self._json("GET", "/get_model_info")
 
