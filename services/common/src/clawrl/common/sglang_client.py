@@ -273,19 +273,11 @@ class SGLangClient:
     async def _lora_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST a LoRA call -> SGLang's `{success, error_message, loaded_adapters}`. A refusal
         (400 with `success: false`) raises EngineRequestError with the engine's message."""
-        status, body = await self._call("POST", path, payload)
-        try:
-            reply = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            reply = None
-        if isinstance(reply, dict) and "success" in reply:
-            if reply["success"]:
-                return reply
-            raise EngineRequestError(
-                str(reply.get("error_message") or "no details"), status_code=status
-            )
-        raise_for_status(status, body, path)
-        raise EngineUnavailable(f"unexpected reply to {path}: {body[:200]!r}")
+        reply = await self._success_reply(path, payload)
+        if not reply["success"]:
+            # SGLang answers every refusal of a LoRA call with 400.
+            raise EngineRequestError(str(reply.get("error_message") or "no details"), 400)
+        return reply
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
         """POST /load_lora_adapter: the engine reads the PEFT adapter directory `path` and
