@@ -111,7 +111,19 @@ class JudgeMetrics:
         )
         self.trimmed = Counter(
             "clawrl_judge_trimmed_entries_total",
-            "Acknowledged entries trimmed by retention, by stream (turns, samples).",
+            "Entries trimmed by retention, by stream (turns, samples: acknowledged and older "
+            "than keep_s; audit: older than audit_keep_s).",
             ["stream"],
+            registry=r,
+        )
+        # Redis refuses writes at maxmemory (noeviction): an alert must fire well before.
+        self.redis_used_memory = Gauge(
+            "clawrl_judge_redis_used_memory_bytes",
+            "Redis's used_memory (INFO memory), read by the judge's housekeeping.",
+            registry=r,
+        )
+        self.redis_max_memory = Gauge(
+            "clawrl_judge_redis_maxmemory_bytes",
+            "Redis's maxmemory setting (0: no limit), read by the judge's housekeeping.",
             registry=r,
         )

@@ -191,7 +191,8 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
         "samples": settings.redis.samples_stream,
     }
     tasks.append(asyncio.create_task(housekeeping(
-        redis, workers[0].consumer, retention_streams, metrics, settings.retention, service.stop
+        redis, workers[0].consumer, retention_streams, metrics, settings.retention, service.stop,
+        audit_stream=settings.audit.stream,
     )))  # fmt: skip
     grpc_server = http_runner = None
     try:

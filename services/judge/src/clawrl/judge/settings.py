@@ -140,7 +140,9 @@ class WorkerSettings(Section):
 
 class RetentionSettings(Section):
     """Streams do not grow without bound: the turns and samples streams are trimmed below what
-    every consumer group acknowledged (XTRIM MINID); the audit stream is capped."""
+    every consumer group acknowledged (XTRIM MINID); the audit stream is capped by count and
+    by age. Audit entries carry replies and votes of up to ~20k characters each, so a count
+    alone does not bound Redis's memory."""
 
     interval_s: float = Field(30.0, gt=0, description="How often streams are trimmed.")
     keep_s: float = Field(
@@ -149,7 +151,13 @@ class RetentionSettings(Section):
         description="Acknowledged entries younger than this stay (MINID floor) for inspection.",
     )
     audit_maxlen: int = Field(
-        1_000_000, gt=0, description="Approximate cap on the audit stream (judgements)."
+        200_000, gt=0, description="Approximate cap on the audit stream (judgements)."
+    )
+    audit_keep_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="Audit records older than this are trimmed (XTRIM MINID); export them "
+        "with `clawrl-judge export` first if they must be kept longer.",
     )
 
 

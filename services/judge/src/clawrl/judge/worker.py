@@ -282,6 +282,11 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
+def age_floor(now_s: float, keep_s: float) -> str:
+    """The stream id below which entries are older than `keep_s` seconds."""
+    return f"{max(0, int((now_s - keep_s) * 1000))}-0"
+
+
 async def housekeeping(
     redis: Redis,
     consumer: GroupConsumer,
@@ -289,15 +294,28 @@ async def housekeeping(
     metrics: JudgeMetrics,
     settings: RetentionSettings,
     stop: asyncio.Event,
+    audit_stream: str | None = None,
 ) -> None:
     """Every `interval_s`: trim what every consumer group acknowledged from `streams`
-    (`{label: stream}`), keeping the last `keep_s` seconds, and refresh the lag gauges."""
+    (`{label: stream}`), keeping the last `keep_s` seconds, trim audit records older than
+    `audit_keep_s`, and refresh the lag and Redis memory gauges."""
     while not stop.is_set():
         try:
-            floor = f"{int((time.time() - settings.keep_s) * 1000)}-0"
+            now = time.time()
+            floor = age_floor(now, settings.keep_s)
             for label, stream in streams.items():
                 removed = await trim_acknowledged(redis, stream, keep_min_id=floor)
                 metrics.trimmed.labels(label).inc(removed)
+            if audit_stream is not None:
+                # Nobody consumes the audit stream as a group: age alone decides. Exact, not
+                # approximate: each pass removes only what aged out since the last one.
+                removed = await redis.xtrim(
+                    audit_stream, minid=age_floor(now, settings.audit_keep_s), approximate=False
+                )
+                metrics.trimmed.labels("audit").inc(int(removed))
+            memory = await redis.info("memory")
+            metrics.redis_used_memory.set(int(memory.get("used_memory", 0)))
+            metrics.redis_max_memory.set(int(memory.get("maxmemory", 0)))
             metrics.lag.set(await consumer.lag())
             summary = await redis.xpending(consumer.stream, consumer.group)
             metrics.pending.set(int(summary["pending"]))
