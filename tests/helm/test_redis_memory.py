@@ -85,16 +85,23 @@ def test_the_redis_memory_alert_is_valid_and_fires_past_the_ratio(promtool, tmp_
             {
                 "interval": "1m",
                 "input_series": [
-                    {"series": 'clawrl_judge_redis_used_memory_bytes{instance="hot"}',
-                     "values": f"{9 * gib}x10"},
-                    {"series": 'clawrl_judge_redis_maxmemory_bytes{instance="hot"}',
-                     "values": f"{10 * gib}x10"},
-                ],  # fmt: skip
+                    {
+                        "series": 'clawrl_judge_redis_used_memory_bytes{instance="hot"}',
+                        "values": f"{9 * gib}x10",
+                    },
+                    {
+                        "series": 'clawrl_judge_redis_maxmemory_bytes{instance="hot"}',
+                        "values": f"{10 * gib}x10",
+                    },
+                ],
                 "alert_rule_test": [
                     {"eval_time": "3m", "alertname": "ClawrlRedisMemoryHigh", "exp_alerts": []},
-                    {"eval_time": "7m", "alertname": "ClawrlRedisMemoryHigh",
-                     "exp_alerts": [fired]},
-                ],  # fmt: skip
+                    {
+                        "eval_time": "7m",
+                        "alertname": "ClawrlRedisMemoryHigh",
+                        "exp_alerts": [fired],
+                    },
+                ],
             },
             {
                 "interval": "1m",

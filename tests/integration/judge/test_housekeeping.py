@@ -62,6 +62,7 @@ async def test_audit_records_older_than_audit_keep_s_are_trimmed_and_memory_is_e
     # The two entries older than 7 days are gone; the hour-old one and the new one stay.
     assert len(kept) == 2
     assert kept[-1] == recent
-    assert metrics.registry.get_sample_value(
-        "clawrl_judge_trimmed_entries_total", {"stream": "audit"}
-    ) == 2
+    assert (
+        metrics.registry.get_sample_value("clawrl_judge_trimmed_entries_total", {"stream": "audit"})
+        == 2
+    )
