@@ -9,6 +9,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from clawrl.common.proto.records_pb2 import Sample, Turn
+from clawrl.common.redis_text import text
 
 __all__ = ["RecordError", "Sample", "Turn", "decode_entry", "encode_entry", "turn_id"]
 
@@ -19,9 +20,11 @@ class RecordError(ValueError):
     """A stream entry that is not a well-formed record of the expected type."""
 
 
-def turn_id(session_id: str, turn_index: int) -> str:
-    """The stable id of a turn (and of the sample made from it)."""
-    return f"{session_id}:{turn_index}"
+def turn_id(session_id: str, epoch: str, turn_index: int) -> str:
+    """The stable id of a turn (and of the sample made from it). `epoch` names the gateway's
+    state of the session the turn was recorded in, so the ids of a session id that comes back
+    after its state expired never repeat those of its earlier turns."""
+    return f"{session_id}:{epoch}:{turn_index}"
 
 
 def record_id(record: Message) -> str:
@@ -43,9 +46,8 @@ def encode_entry(record: Turn | Sample) -> dict[str, bytes]:
 
 def decode_entry(fields: dict[bytes | str, bytes], record_type: type[M]) -> M:
     """The record in a stream entry, checked to be of `record_type`."""
-    normalized = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
-    kind = normalized.get("type", b"")
-    kind = kind.decode() if isinstance(kind, bytes) else kind
+    normalized = {text(k): v for k, v in fields.items()}
+    kind = text(normalized.get("type", b""))
     if kind != record_type.DESCRIPTOR.full_name:
         raise RecordError(f"expected a {record_type.DESCRIPTOR.full_name} entry, got {kind!r}")
     record = record_type()

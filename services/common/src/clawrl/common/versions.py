@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from clawrl.common.redis_text import text, text_fields
+
 
 @dataclass(frozen=True)
 class VersionReady:
@@ -40,26 +42,23 @@ class VersionReady:
     @classmethod
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> VersionReady:
         """Parse an entry; ValueError when a field is missing or malformed."""
-        text = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in fields.items()
-        }
+        values = text_fields(fields)
         try:
             return cls(
-                version=int(text["version"]),
-                path=text["path"],
-                step=int(text.get("step", "0")),
-                created_at=float(text.get("created_at", "0")),
-                adapter=text.get("adapter", ""),
+                version=int(values["version"]),
+                path=values["path"],
+                step=int(values.get("step", "0")),
+                created_at=float(values.get("created_at", "0")),
+                adapter=values.get("adapter", ""),
             )
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"malformed version announcement {text!r}: {exc}") from exc
+            raise ValueError(f"malformed version announcement {values!r}: {exc}") from exc
 
 
 async def announce(redis: Redis, stream: str, ready: VersionReady, maxlen: int = 1000) -> str:
     """XADD the announcement; returns the entry id."""
     entry_id = await redis.xadd(stream, ready.fields(), maxlen=maxlen, approximate=True)
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return text(entry_id)
 
 
 def adapter_name(version: int) -> str:

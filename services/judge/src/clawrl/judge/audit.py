@@ -9,6 +9,8 @@ from typing import IO, Any
 import orjson
 from redis.asyncio import Redis
 
+from clawrl.common.redis_text import text
+
 PAGE = 1000
 
 
@@ -36,7 +38,7 @@ async def export(redis: Redis, stream: str, out: IO[bytes], start: str = "-") ->
         if not entries:
             return written
         for entry_id, fields in entries:
-            entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            entry = text(entry_id)
             out.write(orjson.dumps(audit_record(entry, fields)) + b"\n")
             written += 1
         cursor = f"({entry}"  # exclusive: the next page starts after the last one written

@@ -17,6 +17,7 @@ import orjson
 from redis.asyncio import Redis
 
 from clawrl.common.records import encode_entry
+from clawrl.common.redis_text import text
 from clawrl.judge.core import Judgement, promote
 
 # KEYS: done marker, session state, samples stream, audit stream, turns stream
@@ -125,7 +126,7 @@ class JudgeStore:
                 keys, args = self._args(entry_id, judgement)
                 await self._commit(keys=keys, args=args, client=pipe)
             results = await pipe.execute()
-        return [r.decode() if isinstance(r, bytes) else str(r) for r in results]
+        return [text(r) for r in results]
 
     async def record_rejection(self, turn_id: str, reason: str, entry_id: str) -> None:
         """An audit record for a dead-lettered turn (the dead-letter entry is already written)."""
