@@ -22,9 +22,9 @@ async def test_pause_drains_in_flight_then_holds_new_work_until_resume():
     finish = asyncio.Event()
 
     async def generation():
-        async with gate.admit() as version:
+        async with gate.admit() as admitted:
             await finish.wait()
-            return version
+            return admitted.policy_version
 
     running = asyncio.create_task(generation())
     await asyncio.sleep(0)
@@ -34,8 +34,8 @@ async def test_pause_drains_in_flight_then_holds_new_work_until_resume():
     assert not pause.done() and gate.paused
 
     async def later():
-        async with gate.admit() as version:
-            return version
+        async with gate.admit() as admitted:
+            return admitted.policy_version
 
     held = asyncio.create_task(later())
     await asyncio.sleep(0.01)
@@ -79,8 +79,8 @@ async def test_lease_expiry_resumes_on_the_current_version_and_is_counted():
     assert gate.paused and gate.holder == "sync-a" and 0 < gate.lease_remaining_s() <= 0.1
 
     async def later():
-        async with gate.admit() as version:
-            return version
+        async with gate.admit() as admitted:
+            return admitted.policy_version
 
     held = asyncio.create_task(later())
     await asyncio.sleep(0.02)
@@ -128,3 +128,36 @@ async def test_default_lease_applies_when_none_is_given():
     await gate.pause(1)
     await asyncio.sleep(0.15)
     assert not gate.paused and metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 1
+
+
+async def test_switch_changes_only_later_admissions_and_counts_in_flight_by_adapter():
+    gate = make_gate()
+    gate.set_policy_version(3)
+    finish = asyncio.Event()
+    admitted = []
+
+    async def generation():
+        async with gate.admit() as admission:
+            admitted.append(admission)
+            await finish.wait()
+
+    running = [asyncio.create_task(generation())]
+    await asyncio.sleep(0)
+    gate.switch(4, "policy-v4")  # no pause: nothing is held, the running one keeps v3
+    assert not gate.paused
+    running += [asyncio.create_task(generation()) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert [(a.policy_version, a.adapter) for a in admitted] == [
+        (3, ""),
+        (4, "policy-v4"),
+        (4, "policy-v4"),
+    ]
+    assert gate.in_flight == 3 and dict(gate.in_flight_by_adapter) == {"": 1, "policy-v4": 2}
+    finish.set()
+    await asyncio.gather(*running)
+    assert gate.in_flight == 0 and dict(gate.in_flight_by_adapter) == {}
+    assert metric(gate, "clawrl_gateway_adapter_switches_total") == 1
+    assert metric(gate, "clawrl_gateway_policy_version") == 4
+    # A full-weight version resumed with drops the adapter.
+    gate.resume(5)
+    assert (gate.policy_version, gate.adapter) == (5, "")

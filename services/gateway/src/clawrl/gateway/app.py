@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from redis.asyncio import Redis
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 from redis.retry import Retry
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,8 +27,9 @@ from starlette.types import Receive, Scope, Send
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
+from clawrl.common.served import read_served
 from clawrl.common.sglang_client import EngineError, SGLangClient
-from clawrl.gateway.control import PauseGate, start_control_server
+from clawrl.gateway.control import Admission, PauseGate, start_control_server
 from clawrl.gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -180,6 +182,23 @@ def authorize(gateway: Gateway, headers: Mapping[str, str]) -> None:
     )
 
 
+async def initial_admission(
+    settings: GatewaySettings, engine: SGLangClient, redis: Redis
+) -> Admission:
+    """What a starting replica serves: the configured version, else the LoRA version the last
+    sync recorded, else (full weights) initial_policy_version."""
+    if settings.control.initial_policy_version is not None:
+        return Admission(settings.control.initial_policy_version)
+    try:
+        served = await asyncio.wait_for(read_served(redis, settings.control.served_key), 5)
+    except (RedisError, TimeoutError, ValueError) as exc:
+        log.warning("cannot read the served version at %s: %s", settings.control.served_key, exc)
+        served = None
+    if served is not None and served.adapter:
+        return Admission(served.version, served.adapter)
+    return Admission(await initial_policy_version(settings, engine))
+
+
 async def initial_policy_version(settings: GatewaySettings, engine: SGLangClient) -> int:
     """The configured initial version, else the engine's weight_version when it is a number
     (a replica restarted after a weight sync then starts at the right version), else 0."""
@@ -218,11 +237,13 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             max_connections=settings.serving.engine_max_connections,
         )
         redis = create_redis(settings)
+        initial = await initial_admission(settings, engine, redis)
         gate = PauseGate(
             metrics,
             hold_timeout_s=settings.control.hold_timeout_s,
             retry_after_s=settings.serving.retry_after_s,
-            policy_version=await initial_policy_version(settings, engine),
+            policy_version=initial.policy_version,
+            adapter=initial.adapter,
             lease_s=settings.control.lease_s,
         )
         store = SessionStore(
@@ -285,12 +306,13 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             control_port=control_port,
         )
         log.info(
-            "gateway %s serving %s (context %d, policy v%d) from %s; control gRPC on port %d; "
+            "gateway %s serving %s (context %d, policy v%d%s) from %s; control gRPC on port %d; "
             "%d start-up objects frozen out of garbage collection",
             settings.gateway_id,
             name,
             window,
             gate.policy_version,
+            f", adapter {gate.adapter}" if gate.adapter else "",
             settings.serving.engine_url,
             control_port,
             frozen,

@@ -1,6 +1,11 @@
 """Pause/resume around weight syncs: the gate every generation passes, and GatewayControl, the
 gRPC service (grpc.aio, same event loop as the HTTP API) the weight-sync job drives.
 
+LoRA versions need no pause: SwitchAdapter(v, adapter) only changes what the gate hands to
+requests it admits from then on (the adapter they are generated with, the version their turns
+record). The engine never changes a running request's adapter, so a turn is never mixed; the
+gate counts requests in flight per adapter, so the job knows when an old one is idle.
+
 Pause semantics: from Pause on, new requests are held (not refused) before they reach the
 engine, while generations already running finish; Pause returns once they drained or the drain
 timeout passed. Resume(v) sets the policy version and releases the held requests, so every turn
@@ -21,7 +26,9 @@ import contextlib
 import hmac
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -39,6 +46,15 @@ class PauseHeld(Exception):
     """Pause from a holder other than the one whose lease is running."""
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What an admitted generation runs under, fixed at admission: a switch meanwhile changes
+    only later requests."""
+
+    policy_version: int
+    adapter: str = ""  # LoRA adapter to generate with (SGLang's lora_path); "" = full weights
+
+
 class PauseGate:
     """Admission of generations: counts in-flight work, holds new work while paused."""
 
@@ -49,6 +65,7 @@ class PauseGate:
         hold_timeout_s: float,
         retry_after_s: int,
         policy_version: int = 0,
+        adapter: str = "",
         lease_s: float = 30.0,
     ) -> None:
         self.metrics = metrics
@@ -61,30 +78,43 @@ class PauseGate:
         self.lease_until = 0.0
         self._expiry: asyncio.TimerHandle | None = None
         self.in_flight = 0
+        self.in_flight_by_adapter: Counter[str] = Counter()
         self.held = 0
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._drained = asyncio.Event()
         self._drained.set()
+        self.adapter = adapter
         self.set_policy_version(policy_version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version
         self.metrics.policy_version.set(version)
 
+    def switch(self, policy_version: int, adapter: str) -> None:
+        """Admit new work under `adapter` and `policy_version` from now on; no pause, no wait."""
+        self.adapter = adapter
+        self.set_policy_version(policy_version)
+        self.metrics.adapter_switches.inc()
+
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[int]:
-        """Hold while paused, then count the caller in flight; yields the policy version the
-        generation runs under."""
+    async def admit(self) -> AsyncIterator[Admission]:
+        """Hold while paused, then count the caller in flight; yields the policy version and
+        adapter the generation runs under."""
         if self.paused:
             await self._hold()
+        admission = Admission(self.policy_version, self.adapter)
         self.in_flight += 1
+        self.in_flight_by_adapter[admission.adapter] += 1
         self._drained.clear()
         self.metrics.in_flight.inc()
         try:
-            yield self.policy_version
+            yield admission
         finally:
             self.in_flight -= 1
+            self.in_flight_by_adapter[admission.adapter] -= 1
+            if not self.in_flight_by_adapter[admission.adapter]:
+                del self.in_flight_by_adapter[admission.adapter]
             self.metrics.in_flight.dec()
             if self.in_flight == 0:
                 self._drained.set()
@@ -162,6 +192,7 @@ class PauseGate:
             self._expiry.cancel()
             self._expiry = None
         if policy_version is not None:
+            self.adapter = ""  # a version resumed with is full weights
             self.set_policy_version(policy_version)
         released = self.held if self.paused else 0
         self.paused = False
@@ -197,6 +228,8 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             gateway_id=self.gateway_id,
             lease_remaining_s=self.gate.lease_remaining_s(),
             holder=self.gate.holder,
+            adapter=self.gate.adapter,
+            in_flight_by_adapter=dict(self.gate.in_flight_by_adapter),
         )
 
     async def Pause(self, request, context):
@@ -237,6 +270,23 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             released,
         )
         return control_pb2.ResumeResponse(released=released, status=self.status())
+
+    async def SwitchAdapter(self, request, context):
+        if request.policy_version <= 0 or not request.adapter:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "policy_version must be > 0 and adapter set"
+            )
+        previous = (self.gate.policy_version, self.gate.adapter)
+        self.gate.switch(request.policy_version, request.adapter)
+        log.info(
+            "switched from v%d (%s) to v%d (adapter %s) with no pause",
+            previous[0],
+            previous[1] or "full weights",
+            request.policy_version,
+            request.adapter,
+            extra={"policy_version": request.policy_version},
+        )
+        return control_pb2.SwitchAdapterResponse(status=self.status())
 
     async def GetStatus(self, request, context):
         return self.status()

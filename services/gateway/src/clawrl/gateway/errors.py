@@ -75,6 +75,15 @@ class EngineDown(GatewayError):
     code = "engine_unavailable"
 
 
+class AdapterUnavailable(GatewayError):
+    """The engine does not have the LoRA adapter the request was routed to (an engine that
+    restarted, before the launcher loads it back): retry later, never a base-model reply."""
+
+    status = 503
+    type = "api_error"
+    code = "adapter_unavailable"
+
+
 class EngineBadReply(GatewayError):
     """The engine failed (5xx), broke the stream, or answered something unusable."""
 
@@ -102,6 +111,11 @@ def as_gateway_error(exc: BaseException, retry_after_s: int = 5) -> GatewayError
                 f"the policy engine is unavailable: {exc.message}", retry_after_s=retry_after_s
             )
         return EngineBadReply(f"the policy engine failed: {exc.message}")
+    if adapter_not_loaded(exc):
+        return AdapterUnavailable(
+            f"the policy engine has not loaded this version's adapter yet: {exc.message}",
+            retry_after_s=retry_after_s,
+        )
     if isinstance(exc, EngineRequestError):
         return InvalidRequest(f"the policy engine rejected the request: {exc.message}")
     return GatewayError("internal error in the gateway (see its logs)")
@@ -124,8 +138,16 @@ def to_http(exc: BaseException, retry_after_s: int = 5) -> HttpError:
     return HttpError(error.status, body, headers)
 
 
+def adapter_not_loaded(exc: BaseException) -> bool:
+    """SGLang's refusal of a request whose lora_path names no loaded adapter (a 400 saying
+    "The following requested LoRA adapters are not loaded")."""
+    return isinstance(exc, EngineRequestError) and "adapters are not loaded" in exc.message
+
+
 def engine_error_kind(exc: BaseException) -> str | None:
     """Label of an engine failure for the engine-errors metric; None when not the engine's."""
+    if adapter_not_loaded(exc):
+        return "adapter_not_loaded"
     if isinstance(exc, EngineUnavailable):
         return "unavailable" if exc.status_code is None else "server_error"
     if isinstance(exc, EngineRequestError):

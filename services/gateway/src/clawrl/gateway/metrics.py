@@ -89,7 +89,8 @@ class GatewayMetrics:
         )
         self.engine_errors = Counter(
             "clawrl_gateway_engine_errors_total",
-            "Failed engine calls, by kind.",
+            "Failed engine calls, by kind (unavailable, server_error, rejected, bad_reply, "
+            "adapter_not_loaded).",
             ["kind"],
             registry=r,
         )
@@ -122,4 +123,9 @@ class GatewayMetrics:
         )
         self.policy_version = Gauge(
             "clawrl_gateway_policy_version", "Policy version now served.", registry=r
+        )
+        self.adapter_switches = Counter(
+            "clawrl_gateway_adapter_switches_total",
+            "SwitchAdapter calls: LoRA versions put into service with no pause.",
+            registry=r,
         )

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from clawrl.common.records import Turn
+from clawrl.gateway.control import Admission
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.sessions import (
     Recorded,
@@ -53,6 +54,15 @@ def policy_version_of(weight_version: str, gate_version: int) -> int:
         return int(weight_version)
     except ValueError:
         return gate_version
+
+
+def turn_versions(weight_version: str, admitted: Admission) -> tuple[int, str]:
+    """(policy_version, weight_version) of a turn. Under a LoRA adapter: the admitted version
+    and the adapter's name (the engine's weight_version names its base weights, and an
+    adapter is never changed under a running request); else as policy_version_of."""
+    if admitted.adapter:
+        return admitted.policy_version, admitted.adapter
+    return policy_version_of(weight_version, admitted.policy_version), weight_version
 
 
 @dataclass

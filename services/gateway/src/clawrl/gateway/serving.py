@@ -23,7 +23,7 @@ import orjson
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.logs import log_context
 from clawrl.common.sglang_client import SGLangClient, sampling_params
-from clawrl.gateway.control import PauseGate
+from clawrl.gateway.control import Admission, PauseGate
 from clawrl.gateway.errors import (
     ContextLengthExceeded,
     EngineBadReply,
@@ -33,7 +33,7 @@ from clawrl.gateway.errors import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
-from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext, policy_version_of
+from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext, turn_versions
 from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -288,23 +288,25 @@ class ChatService:
         generation: Generation,
         message: dict[str, Any],
         finish_reason: str,
-        gate_version: int,
+        admitted: Admission,
     ) -> dict[str, str]:
         """Store a main turn, or close the session of a side turn; response headers.
-        `gate_version`: the policy version the request was admitted under."""
+        `admitted`: the policy version (and adapter) the request was admitted under."""
         if self.recorder is None:
             return {}
         if turn is None:
             if request.session.session_done and request.session.session_id:
                 await self.recorder.close(request_id, request.session.session_id)
             return {}
+        # The engine's version at the end: a sync that retracted this generation made it newer
+        # than the admitted one (the judge masks such mixed turns). With an adapter, the
+        # adapter: it produced every token.
+        policy_version, weight_version = turn_versions(generation.weight_version, admitted)
         served = ServedTurn(
             model=self.model_name,
-            # The engine's version at the end: a sync that retracted this generation made
-            # it newer than the admitted one (the judge masks such mixed turns).
-            policy_version=policy_version_of(generation.weight_version, gate_version),
-            admitted_policy_version=gate_version,
-            weight_version=generation.weight_version,
+            policy_version=policy_version,
+            admitted_policy_version=admitted.policy_version,
+            weight_version=weight_version,
             messages=request.messages,
             tools=request.tools,
             prompt_ids=prompt_ids,
@@ -343,15 +345,15 @@ class ChatService:
         request_id = new_request_id()
         turn = self._begin_turn(request, request_id)
         try:
-            async with self.gate.admit() as gate_version:
-                reply = await self.engine.generate(payload)
+            async with self.gate.admit() as admitted:
+                reply = await self.engine.generate(routed(payload, admitted))
             generation = Generation()
             generation.update(reply)
         except Exception as exc:
             self._engine_failed(exc)
             await self._abandon(request, request_id, turn)
             raise
-        policy_version = policy_version_of(generation.weight_version, gate_version)
+        policy_version, _ = turn_versions(generation.weight_version, admitted)
         message, finish = self._message(request, generation)
         self._count_tokens(len(prompt_ids), len(generation.ids))
         response = {
@@ -371,7 +373,7 @@ class ChatService:
             "usage": self._usage(generation, len(prompt_ids)),
         }
         headers = await self._record(
-            request, request_id, turn, prompt_ids, generation, message, finish, gate_version
+            request, request_id, turn, prompt_ids, generation, message, finish, admitted
         )
         return response, headers
 
@@ -387,8 +389,8 @@ class ChatService:
         admission = contextlib.AsyncExitStack()
         events = None
         try:
-            gate_version = await admission.enter_async_context(self.gate.admit())
-            events = self.engine.generate_stream(payload)
+            admitted = await admission.enter_async_context(self.gate.admit())
+            events = self.engine.generate_stream(routed(payload, admitted))
             first = await anext(events)
         except BaseException as exc:
             if events is not None:
@@ -411,7 +413,7 @@ class ChatService:
             if turn is not None and self.recorder is not None:
                 self.recorder.abandon_soon(turn)  # no-op unless the client left mid-stream
 
-        stream = StreamState(request, request_id, turn, prompt_ids, gate_version)
+        stream = StreamState(request, request_id, turn, prompt_ids, admitted)
         return OpenStream(self._sse(stream, first, events, release), end)
 
     async def _sse(
@@ -439,7 +441,7 @@ class ChatService:
 
         def head() -> dict[str, Any]:
             # The weights of the latest event: a sync mid-stream shows from the next chunk on.
-            version = policy_version_of(generation.weight_version, stream.gate_version)
+            version, _ = turn_versions(generation.weight_version, stream.admitted)
             return {**base, "system_fingerprint": f"clawrl-policy-v{version}"}
 
         def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
@@ -501,7 +503,7 @@ class ChatService:
                     generation,
                     assistant_message("".join(content), calls),
                     finish,
-                    stream.gate_version,
+                    stream.admitted,
                 )
         yield chunk({}, finish)
         if request.include_usage:
@@ -524,7 +526,12 @@ class StreamState:
     request_id: str
     turn: TurnContext | None
     prompt_ids: list[int]
-    gate_version: int
+    admitted: Admission
+
+
+def routed(payload: dict[str, Any], admitted: Admission) -> dict[str, Any]:
+    """The engine request for an admitted generation: with its LoRA adapter, if any."""
+    return {**payload, "lora_path": admitted.adapter} if admitted.adapter else payload
 
 
 def new_request_id() -> str:

@@ -139,8 +139,15 @@ class ControlSettings(Section):
     )
     initial_policy_version: int | None = Field(
         None,
-        description="Policy version before the first Resume; unset = the engine's "
-        "weight_version when it is an integer, else 0.",
+        description="Policy version before the first Resume; unset = the LoRA version recorded "
+        "at `served_key` when there is one, else the engine's weight_version when it is an "
+        "integer, else 0.",
+    )
+    served_key: str = Field(
+        "clawrl:serving",
+        description="Redis hash where the weight-sync job records the LoRA adapter the gateways "
+        "route to (the sync's sync.served_key); read at start, so a restarted or added replica "
+        "serves the current adapter.",
     )
 
 

@@ -50,6 +50,11 @@ class GatewayControlStub:
                 request_serializer=clawrl_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=clawrl_dot_v1_dot_control__pb2.GatewayStatus.FromString,
                 _registered_method=True)
+        self.SwitchAdapter = channel.unary_unary(
+                '/clawrl.v1.GatewayControl/SwitchAdapter',
+                request_serializer=clawrl_dot_v1_dot_control__pb2.SwitchAdapterRequest.SerializeToString,
+                response_deserializer=clawrl_dot_v1_dot_control__pb2.SwitchAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayControlServicer:
@@ -76,6 +81,15 @@ class GatewayControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchAdapter(self, request, context):
+        """Serve a LoRA version from now on, with no pause: requests admitted after the call are
+        generated with the adapter (SGLang's lora_path) and their turns carry policy_version;
+        requests already running finish on the adapter they started with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_GatewayControlServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=clawrl_dot_v1_dot_control__pb2.GetStatusRequest.FromString,
                     response_serializer=clawrl_dot_v1_dot_control__pb2.GatewayStatus.SerializeToString,
+            ),
+            'SwitchAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchAdapter,
+                    request_deserializer=clawrl_dot_v1_dot_control__pb2.SwitchAdapterRequest.FromString,
+                    response_serializer=clawrl_dot_v1_dot_control__pb2.SwitchAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class GatewayControl:
             '/clawrl.v1.GatewayControl/GetStatus',
             clawrl_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
             clawrl_dot_v1_dot_control__pb2.GatewayStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clawrl.v1.GatewayControl/SwitchAdapter',
+            clawrl_dot_v1_dot_control__pb2.SwitchAdapterRequest.SerializeToString,
+            clawrl_dot_v1_dot_control__pb2.SwitchAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
