@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from clawrl.common.proto.records_pb2 import SampleMode  # noqa: E402
 from clawrl.common.records import Sample  # noqa: E402
 from clawrl.common.streams import publish  # noqa: E402
 from clawrl.trainer.driver import InProcess  # noqa: E402
@@ -74,7 +75,8 @@ async def rollouts(url: str, tokenizer, count: int, new_tokens: int) -> list[Sam
         return Sample(sample_id=f"bench{i}:0", session_id=f"bench{i}", prompt_ids=prompt,
                       response_ids=body["output_ids"], old_logprobs=logprobs,
                       loss_mask=[1.0] * len(logprobs), reward=1.0 if i % 2 else -1.0,
-                      temperature=0.7, top_p=0.9)  # fmt: skip
+                      temperature=0.7, top_p=0.9,
+                      mode=SampleMode.SAMPLE_MODE_BINARY_RL)  # fmt: skip
 
     async with httpx.AsyncClient(timeout=3600) as client:
         return await asyncio.gather(*(one(client, i) for i in range(count)))

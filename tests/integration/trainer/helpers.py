@@ -8,6 +8,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
+from clawrl.common.proto.records_pb2 import SampleMode
 from clawrl.common.records import Sample
 from clawrl.common.streams import publish
 from clawrl.trainer.driver import InProcess
@@ -25,6 +26,7 @@ def make_sample(sample_id: str, response: list[int], reward: float = 1.0, **over
         sample_id=sample_id, session_id=sample_id.split(":")[0],
         prompt_ids=PROMPT, response_ids=response, old_logprobs=[-10.0] * len(response),
         loss_mask=[1.0] * len(response), reward=reward, policy_version=0,
+        mode=SampleMode.SAMPLE_MODE_BINARY_RL,  # what the default estimator (grpo) trains
     )  # fmt: skip
     fields.update(overrides)
     return Sample(**fields)

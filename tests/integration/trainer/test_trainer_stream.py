@@ -1,5 +1,6 @@
 """The trainer on a real Redis with the tiny model: batches of trainable samples only, staleness
-drop, dedupe of redelivered samples, bad samples dead-lettered, nothing left over lost."""
+drop, dedupe of redelivered samples, bad samples and samples of another judging mode
+dead-lettered, nothing left over lost."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import shutil
 
 import pytest
 from redis.asyncio import Redis
+
+from clawrl.common.proto.records_pb2 import SampleMode
 
 from .helpers import counter, make_sample, pending, publish_all, settings_for, start_trainer
 
@@ -48,7 +51,7 @@ async def test_masked_samples_do_not_fill_a_batch(redis, redis_url, tmp_path, ca
     await publish_all(redis, settings, samples)
     report = await one_step(trainer)
     assert report.sample_ids == ("a:0", "b:0", "c:0", "d:0")
-    assert "step 1: 4 samples, 36 tokens, staleness <= 0, loss" in caplog.text  # one line a step
+    assert "step 1: 4 samples, 36 tokens, staleness 0.00 (max 0), loss" in caplog.text  # one line
     assert report.figures["reward_mean"] == 0.5 and report.figures["tokens_per_second"] > 0
     assert counter(trainer, "clawrl_trainer_samples_consumed_total", kind="masked") == 2
     assert counter(trainer, "clawrl_trainer_samples_consumed_total", kind="trained") == 4
@@ -176,3 +179,33 @@ async def test_a_checkpoint_that_cannot_be_written_stops_the_trainer(
     assert counter(trainer, "clawrl_trainer_checkpoint_failures_total") == 1
     assert await pending(redis, settings) == 2  # nothing acknowledged: trained again on restart
     assert trainer.store.latest_state() is None
+
+
+async def test_samples_of_another_mode_are_dead_lettered(redis, redis_url, tmp_path) -> None:
+    # An opd judge beside a grpo trainer trained all-zero advantages before.
+    settings = settings_for(redis_url, tmp_path, rollout={"rollout_batch_size": 2})
+    assert settings.advantage.estimator == "grpo"
+    trainer = await start_trainer(settings, redis)
+    opd = SampleMode.SAMPLE_MODE_OPD
+    await publish_all(redis, settings, [
+        make_sample("o:0", [10], reward=0.0, mode=opd, has_teacher=True, teacher_logprobs=[-1.0]),
+        make_sample("r:0", [11]),
+        make_sample("u:0", [12], mode=SampleMode.SAMPLE_MODE_UNSPECIFIED),
+        make_sample("r:1", [13], reward=-1.0),
+    ])  # fmt: skip
+    collected = await trainer.intake.next_batch(
+        0, trainer.trained.__contains__, trainer.uncommitted, asyncio.Event(), block_ms=100
+    )
+    report = await trainer.step(collected)
+    assert report.sample_ids == ("r:0", "r:1")
+    assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="mode") == 2
+    dead = await redis.xrange(settings.redis.deadletter_stream)
+    reasons = {f[b"id"].decode(): f[b"reason"].decode() for _, f in dead}
+    assert reasons["o:0"].startswith(
+        "sample judged in mode 'opd' cannot feed the trainer's estimator 'grpo', which trains "
+        "samples of judging.mode = 'rl'"
+    )
+    assert reasons["u:0"].startswith(
+        "sample judged in mode 'unspecified (SAMPLE_MODE_UNSPECIFIED)'"
+    )
+    assert await pending(redis, settings) == 0

@@ -7,6 +7,7 @@ import torch
 
 from clawrl.trainer.losses import (
     ADVANTAGE_ESTIMATORS,
+    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     AdvantageConfig,
     AdvantageInputs,
@@ -18,6 +19,7 @@ from clawrl.trainer.losses import (
     group_normalized,
     kl_penalty,
     micro_batch_weight,
+    off_policy_figures,
     policy_objective,
     ppo_clip_loss,
     token_logprobs,
@@ -188,15 +190,18 @@ def test_truncated_is_weights() -> None:
 def test_objective_requires_what_its_terms_need() -> None:
     terms = TokenTerms(logp=torch.zeros(1, 2), old_logp=torch.zeros(1, 2),
                        advantages=torch.ones(1, 2), mask=torch.ones(1, 2))  # fmt: skip
-    with pytest.raises(ValueError, match="ref_logp"):
-        policy_objective(terms, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="rollout_logp"):
-        policy_objective(terms, LossConfig(tis_cap=2.0))
+        policy_objective(terms, LossConfig())  # TIS is the default
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_objective(terms, LossConfig(kl_coef=0.1, off_policy_correction="none"))
     with pytest.raises(ValueError, match="top-K"):
-        policy_objective(terms, LossConfig(distill_coef=1.0))
+        policy_objective(terms, LossConfig(distill_coef=1.0, off_policy_correction="none"))
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy_objective(terms, LossConfig(policy_loss="gspo"))
+    with pytest.raises(ValueError, match="unknown off-policy correction 'mis'"):
+        policy_objective(terms, LossConfig(off_policy_correction="mis"))
     assert set(POLICY_LOSSES) == {"ppo", "reinforce"}
+    assert set(OFF_POLICY_CORRECTIONS) == {"tis", "none"}
 
 
 def test_objective_sums_its_terms() -> None:
@@ -222,7 +227,9 @@ def test_distillation_is_zero_for_samples_without_teacher() -> None:
         mask=torch.ones(1, 1), student_topk_logp=T([[[math.log(0.5)]]]),
         teacher_topk_logp=T([[[float("nan")]]]), has_teacher=T([False]),
     )  # fmt: skip
-    loss, metrics = policy_objective(terms, LossConfig(distill_coef=1.0))
+    loss, metrics = policy_objective(
+        terms, LossConfig(distill_coef=1.0, off_policy_correction="none")
+    )
     assert metrics["distill_rkl"].item() == 0.0
     assert loss.item() == 0.0
 
@@ -238,7 +245,7 @@ def step_logp(advantage: float, old_ratio: float = 1.0, cfg: LossConfig | None =
     logp = token_logprobs(logits, ids)
     old = (logp - math.log(old_ratio)).detach()
     terms = TokenTerms(logp=logp, old_logp=old, advantages=T([[advantage]]), mask=torch.ones(1, 1))
-    loss, _ = policy_objective(terms, cfg or LossConfig())
+    loss, _ = policy_objective(terms, cfg or LossConfig(off_policy_correction="none"))
     loss.backward()
     with torch.no_grad():
         after = token_logprobs(logits - 0.5 * logits.grad, ids)
@@ -260,5 +267,60 @@ def test_clipping_stops_the_update_past_the_bound() -> None:
     # inside the range the gradient is alive
     assert step_logp(+1.0, old_ratio=1.1)[2] > 0.0
     # dual clip: a negative advantage on a token far above its old probability stops too
-    assert step_logp(-1.0, old_ratio=4.0, cfg=LossConfig(dual_clip_c=3.0))[2] == 0.0
+    dual = LossConfig(dual_clip_c=3.0, off_policy_correction="none")
+    assert step_logp(-1.0, old_ratio=4.0, cfg=dual)[2] == 0.0
     assert step_logp(-1.0, old_ratio=4.0)[2] > 0.0
+
+
+# --- off-policy correction -----------------------------------------------------------------------
+
+
+def stale_batch() -> TokenTerms:
+    """Two samples, one token each, advantage 1, at the step's start (logp == old_logp).
+    Sample 0 is on-policy (rollout_logp == old_logp). Sample 1 is stale: the engine that drew it
+    gave its token probability 0.2, the current weights 0.3, so pi_old / pi_b = 1.5."""
+    old = T([[math.log(0.5)], [math.log(0.3)]])
+    logp = old.clone().requires_grad_(True)
+    return TokenTerms(
+        logp=logp, old_logp=old, advantages=T([[1.0], [1.0]]), mask=torch.ones(2, 1),
+        rollout_logp=T([[math.log(0.5)], [math.log(0.2)]]),
+    )  # fmt: skip
+
+
+def test_a_stale_sample_is_weighted_by_its_behaviour_ratio_and_an_on_policy_one_is_not() -> None:
+    terms = stale_batch()
+    loss, metrics = policy_objective(terms, LossConfig())  # the default: TIS, cap 2
+    # token-mean over 2 tokens of -A * ratio(1) * w: w = 1 (on-policy) and 1.5 (stale)
+    assert loss.item() == pytest.approx(-(1.0 + 1.5) / 2, 1e-6)
+    loss.backward()
+    # d loss / d logp = -A * w / 2 per token: the stale token's gradient is 1.5 times larger
+    assert terms.logp.grad[:, 0].tolist() == pytest.approx([-0.5, -0.75], 1e-6)
+    assert metrics["tis_weight_mean"].item() == pytest.approx(1.25, 1e-6)
+    # PPO's own ratio is 1 at the step's start: its clip does not act
+    assert metrics["clip_frac"].item() == 0.0
+    assert metrics["ppo_ratio_mean"].item() == pytest.approx(1.0)
+
+
+def test_the_behaviour_weight_is_truncated_at_the_cap() -> None:
+    terms = stale_batch()
+    # cap 1.2: the stale token's weight 1.5 is truncated to 1.2
+    loss, _ = policy_objective(terms, LossConfig(tis_cap=1.2))
+    assert loss.item() == pytest.approx(-(1.0 + 1.2) / 2, 1e-6)
+
+
+def test_without_correction_a_stale_sample_trains_as_if_on_policy() -> None:
+    terms = stale_batch()
+    loss, metrics = policy_objective(terms, LossConfig(off_policy_correction="none"))
+    assert loss.item() == pytest.approx(-1.0, 1e-6)
+    assert metrics["tis_weight_mean"].item() == 1.0
+
+
+def test_off_policy_figures() -> None:
+    # ratios 1 (on-policy), 1.5 and 2.5 (stale), one masked token with ratio 10
+    old = T([[math.log(0.5), math.log(0.3)], [math.log(0.5), math.log(0.5)]])
+    rollout = T([[math.log(0.5), math.log(0.2)], [math.log(0.2), math.log(0.05)]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    figures = off_policy_figures(old, rollout, mask, cap=2.0)
+    assert figures["ratio_mean"] == pytest.approx((1.0 + 1.5 + 2.5) / 3, 1e-5)
+    assert figures["ratio_max"] == pytest.approx(2.5, 1e-5)
+    assert figures["tis_clip_frac"] == pytest.approx(1 / 3)

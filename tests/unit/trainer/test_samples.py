@@ -4,8 +4,16 @@ import math
 
 import pytest
 
+from clawrl.common.proto.records_pb2 import SampleMode
 from clawrl.common.records import Sample
-from clawrl.trainer.samples import BadSample, check_sample, collate, is_trainable
+from clawrl.trainer.samples import (
+    BadSample,
+    ModeMismatch,
+    check_mode,
+    check_sample,
+    collate,
+    is_trainable,
+)
 
 VOCAB = 100
 
@@ -81,3 +89,29 @@ def test_collate_pads_and_aligns() -> None:
     assert batch.policy_versions.tolist() == [3, 3]
     assert batch.group_index.tolist() == [0, 1]
     assert collate([a]).teacher_topk_ids is None
+
+
+@pytest.mark.parametrize(
+    ("estimator", "mode"),
+    [
+        ("grpo", SampleMode.SAMPLE_MODE_BINARY_RL),
+        ("on_policy_distillation", SampleMode.SAMPLE_MODE_OPD),
+        ("combine", SampleMode.SAMPLE_MODE_COMBINED),
+    ],
+)
+def test_each_estimator_trains_its_own_mode_only(estimator: str, mode: int) -> None:
+    check_mode(sample(mode=mode), estimator)
+    for other in SampleMode.values():
+        if other != mode:
+            with pytest.raises(ModeMismatch, match=f"the trainer's estimator '{estimator}'"):
+                check_mode(sample(mode=other), estimator)
+
+
+def test_a_mode_mismatch_names_both_sides() -> None:
+    with pytest.raises(ModeMismatch) as caught:
+        check_mode(sample(mode=SampleMode.SAMPLE_MODE_OPD), "grpo")
+    assert str(caught.value) == (
+        "sample judged in mode 'opd' cannot feed the trainer's estimator 'grpo', which trains "
+        "samples of judging.mode = 'rl': the judge and the trainer are configured for different "
+        "modes"
+    )

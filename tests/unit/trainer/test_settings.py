@@ -22,6 +22,15 @@ def test_skeleton_names_reach_the_loss_and_advantage_configs(monkeypatch) -> Non
     assert (advantage.normalize_groups, advantage.group_by) == (True, "batch")
 
 
+def test_stale_samples_are_corrected_by_default() -> None:
+    loss = TrainerSettings().ppo.loss_config()
+    assert (loss.off_policy_correction, loss.tis_cap) == ("tis", 2.0)
+    off = TrainerSettings(ppo={"off_policy_correction": "none"}).ppo.loss_config()
+    assert off.off_policy_correction == "none"
+    with pytest.raises(ValidationError, match="tis_cap"):
+        TrainerSettings(ppo={"tis_cap": 0.5})  # a cap below 1 would shrink on-policy tokens
+
+
 def test_bad_values_fail_at_start() -> None:
     with pytest.raises(ValidationError, match="clip_epsilon"):
         TrainerSettings(ppo={"clip_epsilon": 0.2})  # misspelt

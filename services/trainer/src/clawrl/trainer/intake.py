@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from clawrl.common.records import RecordError, Sample, decode_entry
 from clawrl.common.streams import Entry, GroupConsumer
 from clawrl.trainer.metrics import TrainerMetrics
-from clawrl.trainer.samples import BadSample, check_sample, is_trainable
+from clawrl.trainer.samples import BadSample, ModeMismatch, check_mode, check_sample, is_trainable
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Intake:
         max_staleness: int,
         vocab_size: int,
         max_length: int,
+        estimator: str = "grpo",
     ) -> None:
         self.consumer = consumer
         self.metrics = metrics
@@ -65,6 +66,7 @@ class Intake:
         self.max_staleness = max_staleness
         self.vocab_size = vocab_size
         self.max_length = max_length
+        self.estimator = estimator
         self._backlog: list[Entry] | None = None  # own pending entries, read once at start
 
     async def next_batch(
@@ -131,7 +133,15 @@ class Intake:
         if policy_version - sample.policy_version > self.max_staleness:
             return await self._drop(entry, "stale", sample)
         try:
+            # A sample of another judging mode is dead-lettered, not refused at start: the
+            # trainer cannot know the judge's mode before samples arrive (another deployment;
+            # a mode switch leaves the old mode's samples on the stream), and stopping on one
+            # would crash-loop on its pending entry. Dead-lettered, it keeps its data and reason
+            # for a replay once the two agree, and `samples_dropped{reason="mode"}` shows it.
+            check_mode(sample, self.estimator)
             check_sample(sample, self.vocab_size, self.max_length)
+        except ModeMismatch as exc:
+            return await self._drop_bad(entry, "mode", str(exc))
         except BadSample as exc:
             return await self._drop_bad(entry, "invalid", str(exc))
         return sample

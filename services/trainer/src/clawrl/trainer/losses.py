@@ -191,11 +191,16 @@ def topk_reverse_kl(student_topk_logp: Tensor, teacher_topk_logp: Tensor, eps: f
     return (s.exp() * (s - t)).sum(dim=-1)
 
 
+def behaviour_ratio(old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    """old_logp, rollout_logp: [B, R] -> [B, R] detached pi_old / pi_rollout: how much likelier
+    each sampled token is under the trainer's weights than under the engine that sampled it."""
+    return (old_logp - rollout_logp).clamp(-20.0, 20.0).exp().detach()
+
+
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     """old_logp, rollout_logp: [B, R] -> [B, R] detached weights min(pi_old / pi_rollout, cap):
-    truncated importance sampling for the gap between the engine that sampled and the trainer
-    (Yao et al., "Off-policy RL for LLMs: truncated IS", 2025)."""
-    return (old_logp - rollout_logp).clamp(max=20.0).exp().clamp(max=cap).detach()
+    truncated importance sampling (Yao et al. 2025, see "off-policy correction" below)."""
+    return behaviour_ratio(old_logp, rollout_logp).clamp(max=cap)
 
 
 # --- policy losses -------------------------------------------------------------------------------
@@ -205,7 +210,9 @@ def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> 
 class LossConfig:
     """The step's objective. eps_clip/eps_clip_high: PPO's asymmetric clip range; dual_clip_c:
     dual-clip bound (> 1) for negative advantages or None; kl_coef 0 means no reference model;
-    distill_coef weighs the top-K reverse KL; tis_cap: truncated IS cap or None."""
+    distill_coef weighs the top-K reverse KL; off_policy_correction: a key of
+    OFF_POLICY_CORRECTIONS (the weight of each token for having been drawn by an older policy);
+    tis_cap: its cap C."""
 
     policy_loss: str = "ppo"
     eps_clip: float = 0.2
@@ -215,7 +222,8 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     distill_coef: float = 0.0
-    tis_cap: float | None = None
+    off_policy_correction: str = "tis"
+    tis_cap: float = 2.0
     aggregation: Aggregation = "token-mean"
 
 
@@ -238,7 +246,7 @@ def ppo_clip_loss(
     metrics = {
         "clip_frac": masked_mean(clipped_out, mask).detach(),
         "dual_clip_frac": masked_mean(dual, mask).detach(),
-        "ratio_mean": masked_mean(ratio, mask).detach(),
+        "ppo_ratio_mean": masked_mean(ratio, mask).detach(),
     }
     return loss, metrics
 
@@ -249,7 +257,7 @@ def reinforce_loss(
     """logp, old_logp, advantages, mask: [B, R] -> (per-token loss [B, R], metrics): the
     unclipped importance-weighted policy gradient -A * pi / pi_old."""
     ratio = (logp - old_logp).clamp(-20.0, 20.0).exp()
-    return -advantages * ratio, {"ratio_mean": masked_mean(ratio, mask).detach()}
+    return -advantages * ratio, {"ppo_ratio_mean": masked_mean(ratio, mask).detach()}
 
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, LossConfig], tuple[Tensor, dict]]
@@ -257,6 +265,62 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo": ppo_clip_loss,
     "reinforce": reinforce_loss,
 }
+
+
+# --- off-policy correction -----------------------------------------------------------------------
+#
+# A sample was drawn by the behaviour policy pi_b (the engine, up to max_staleness versions old:
+# its log-probs are `rollout_logp`), while the trainer takes ONE optimizer step per batch from its
+# current weights pi_old (`old_logp`, recomputed right before the step). PPO's ratio pi / pi_old
+# is therefore 1 at the step and its clip never acts: without a correction a stale sample is
+# trained as if pi_old had drawn it. Both published corrections re-weight each token by
+# w = pi_old / pi_b:
+# - decoupled PPO (AReaL, Fu et al. 2025, arXiv:2505.24298, after Hilton et al. 2021,
+#   arXiv:2110.00641): loss = -w * min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_old
+#   (the "proximal" policy), and tokens whose w exceeds a cap dropped;
+# - verl's rollout correction (`RolloutCorrectionConfig.decoupled_token_is`: token-level TIS
+#   against a recomputed pi_old; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+#   You Off-Policy RL Training"; Liu et al. 2025, "When Speed Kills Stability"): the same clipped
+#   loss times min(w, C), C = 2 by default.
+# With one step per batch the two are the same objective except above the cap. We take TIS:
+# a token the current policy now likes far more than the sampler did still counts, at weight C,
+# instead of vanishing (dropping exactly those tokens biases against where the policy is going),
+# and C bounds the variance a very stale sample can add. The same w also absorbs the numeric gap
+# between engine and trainer kernels. Temperature never enters w: engines record raw log-probs,
+# like the trainer (see the module docstring).
+
+
+def no_correction(old_logp: Tensor, rollout_logp: Tensor | None, cfg: LossConfig) -> Tensor:
+    """-> [B, R] ones: every sample trained as if the trainer's current weights had drawn it."""
+    return torch.ones_like(old_logp)
+
+
+def tis_correction(old_logp: Tensor, rollout_logp: Tensor | None, cfg: LossConfig) -> Tensor:
+    """-> [B, R] min(pi_old / pi_b, tis_cap), detached."""
+    if rollout_logp is None:
+        raise ValueError("off_policy_correction 'tis' needs rollout_logp")
+    return truncated_is_weights(old_logp, rollout_logp, cfg.tis_cap)
+
+
+OffPolicyFn = Callable[[Tensor, Tensor | None, LossConfig], Tensor]
+OFF_POLICY_CORRECTIONS: dict[str, OffPolicyFn] = {
+    "tis": tis_correction,
+    "none": no_correction,
+}
+
+
+def off_policy_figures(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float
+) -> dict[str, float]:
+    """old_logp, rollout_logp, mask: [B, R] -> the behaviour ratio pi_old / pi_b over trained
+    tokens (mean, max) and the fraction of them whose TIS weight the cap truncated."""
+    ratio = behaviour_ratio(old_logp, rollout_logp)
+    trained = mask > 0
+    return {
+        "ratio_mean": float(masked_mean(ratio, mask)),
+        "ratio_max": float(ratio[trained].max()) if trained.any() else 1.0,
+        "tis_clip_frac": float(masked_mean((ratio > cap).float(), mask)),
+    }
 
 
 @dataclass(frozen=True)
@@ -278,21 +342,26 @@ class TokenTerms:
 
 
 def policy_objective(terms: TokenTerms, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """-> (scalar loss to minimise, detached metrics): policy loss (x TIS weights) + kl_coef * KL
-    - entropy_coef * entropy + distill_coef * top-K reverse KL, each aggregated over `mask`."""
+    """-> (scalar loss to minimise, detached metrics): policy loss x off-policy weights
+    + kl_coef * KL - entropy_coef * entropy + distill_coef * top-K reverse KL, each aggregated
+    over `mask`."""
     try:
         policy_loss = POLICY_LOSSES[cfg.policy_loss]
     except KeyError:
         known = ", ".join(POLICY_LOSSES)
         raise ValueError(f"unknown policy loss {cfg.policy_loss!r} ({known})") from None
     mask = terms.mask
+    try:
+        correction = OFF_POLICY_CORRECTIONS[cfg.off_policy_correction]
+    except KeyError:
+        known = ", ".join(OFF_POLICY_CORRECTIONS)
+        raise ValueError(
+            f"unknown off-policy correction {cfg.off_policy_correction!r} ({known})"
+        ) from None
     pg, metrics = policy_loss(terms.logp, terms.old_logp, terms.advantages, mask, cfg)
-    if cfg.tis_cap is not None:
-        if terms.rollout_logp is None:
-            raise ValueError("truncated importance sampling needs rollout_logp")
-        weights = truncated_is_weights(terms.old_logp, terms.rollout_logp, cfg.tis_cap)
-        pg = pg * weights
-        metrics["tis_weight_mean"] = masked_mean(weights, mask)
+    weights = correction(terms.old_logp, terms.rollout_logp, cfg)
+    pg = pg * weights
+    metrics["tis_weight_mean"] = masked_mean(weights, mask).detach()
     pg_loss = aggregate(pg, mask, cfg.aggregation)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()

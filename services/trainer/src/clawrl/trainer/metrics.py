@@ -8,13 +8,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
-DROP_REASONS = ("stale", "duplicate", "invalid", "undecodable", "step_failed")
+DROP_REASONS = ("stale", "duplicate", "invalid", "mode", "undecodable", "step_failed")
 
 # Step figures exported as gauges, by the name `policy_objective` / the backend give them.
 STEP_GAUGES = {
     "loss": "Total loss of the last step.",
     "pg_loss": "Policy-gradient part of the last step's loss.",
-    "clip_frac": "Fraction of trained tokens whose ratio was clipped in the last step.",
+    "clip_frac": "Fraction of trained tokens whose PPO ratio pi / pi_old was clipped in the last "
+    "step (0 while each batch gets one optimizer step: pi_old is recomputed right before it).",
+    "ratio_mean": "Mean behaviour ratio pi_old / pi_rollout (trainer's current weights over the "
+    "engine that sampled) over trained tokens in the last step.",
+    "ratio_max": "Largest behaviour ratio pi_old / pi_rollout over trained tokens in the last "
+    "step.",
+    "tis_clip_frac": "Fraction of trained tokens whose TIS weight was truncated at ppo.tis_cap in "
+    "the last step.",
+    "staleness_mean": "Mean policy versions between the last step's samples and the trainer.",
+    "staleness_max": "Most policy versions between a sample of the last step and the trainer.",
     "kl_ref": "KL to the reference model in the last step (when kl_coef > 0).",
     "approx_kl_old": "Mean old_logp - logp over trained tokens in the last step.",
     "entropy": "Mean policy entropy over trained tokens in the last step (nats).",
@@ -40,7 +49,8 @@ class TrainerMetrics:
         )
         self.samples_dropped = Counter(
             "clawrl_trainer_samples_dropped_total",
-            "Samples not trained, by reason (stale, duplicate, invalid, undecodable, step_failed).",
+            "Samples not trained, by reason (stale, duplicate, invalid, mode: judged in a mode the "
+            "estimator does not train, undecodable, step_failed).",
             ["reason"],
             registry=r,
         )

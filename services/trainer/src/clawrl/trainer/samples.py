@@ -11,12 +11,48 @@ from collections.abc import Sequence
 
 import torch
 
+from clawrl.common.proto.records_pb2 import SampleMode
 from clawrl.common.records import Sample
 from clawrl.trainer.backend import TrainBatch
 
 
 class BadSample(ValueError):
     """A sample that can never be trained; the message is the dead-letter reason."""
+
+
+class ModeMismatch(BadSample):
+    """A sample whose judging mode cannot feed the trainer's advantage estimator."""
+
+
+# The judge's mode and the trainer's estimator are one choice made in two deployments (OpenClaw-RL
+# has one knob for both): grpo reads only the reward, which an opd sample does not carry (always
+# 0); on_policy_distillation reads only teacher log-probs, which an rl sample lacks; combine
+# trains what a combine judge makes. Any other pairing trains all-zero or half-meaningful
+# advantages without a word, so each estimator takes exactly its own mode.
+ESTIMATOR_MODES = {
+    "grpo": SampleMode.SAMPLE_MODE_BINARY_RL,
+    "on_policy_distillation": SampleMode.SAMPLE_MODE_OPD,
+    "combine": SampleMode.SAMPLE_MODE_COMBINED,
+}
+JUDGING_MODES = {
+    SampleMode.SAMPLE_MODE_BINARY_RL: "rl",
+    SampleMode.SAMPLE_MODE_OPD: "opd",
+    SampleMode.SAMPLE_MODE_COMBINED: "combine",
+}
+
+
+def check_mode(sample: Sample, estimator: str) -> None:
+    """Raise ModeMismatch with the reason unless `sample` was judged in the mode `estimator`
+    trains (see ESTIMATOR_MODES)."""
+    wanted = ESTIMATOR_MODES[estimator]
+    if sample.mode == wanted:
+        return
+    made = JUDGING_MODES.get(sample.mode, f"unspecified ({SampleMode.Name(sample.mode)})")
+    raise ModeMismatch(
+        f"sample judged in mode {made!r} cannot feed the trainer's estimator {estimator!r}, "
+        f"which trains samples of judging.mode = {JUDGING_MODES[wanted]!r}: the judge and the "
+        "trainer are configured for different modes"
+    )
 
 
 def is_trainable(sample: Sample) -> bool:

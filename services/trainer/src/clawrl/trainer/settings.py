@@ -87,11 +87,15 @@ class PPOSettings(Section):
         description="Weight of the top-K reverse-KL distillation term (needs samples with "
         "teacher top-K).",
     )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling against the rollout log-probs: the cap on "
-        "pi_old / pi_rollout; unset = off.",
+    off_policy_correction: Literal["tis", "none"] = Field(
+        "tis",
+        description="Correction for samples the engines drew with older (or numerically "
+        "different) weights: tis weighs each token by min(pi_old / pi_rollout, tis_cap) "
+        "(truncated importance sampling against the rollout log-probs); none trains every "
+        "sample as if the current weights had drawn it.",
+    )
+    tis_cap: float = Field(
+        2.0, ge=1, description="The cap C on the TIS weight pi_old / pi_rollout."
     )
     aggregation: Literal["token-mean", "seq-mean"] = Field(
         "token-mean", description="How per-token losses are averaged."
@@ -107,6 +111,7 @@ class PPOSettings(Section):
             kl_estimator=self.kl_estimator,
             entropy_coef=self.entropy_coef,
             distill_coef=self.distill_coef,
+            off_policy_correction=self.off_policy_correction,
             tis_cap=self.tis_cap,
             aggregation=self.aggregation,
         )

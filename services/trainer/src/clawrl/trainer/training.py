@@ -29,7 +29,12 @@ from clawrl.common.versions import VersionReady, announce, latest
 from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState
 from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
-from clawrl.trainer.losses import AdvantageInputs, compute_advantages, masked_mean
+from clawrl.trainer.losses import (
+    AdvantageInputs,
+    compute_advantages,
+    masked_mean,
+    off_policy_figures,
+)
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import TrainerSettings
@@ -48,16 +53,24 @@ class StepReport:
     exported: bool
 
 
-def batch_figures(batch, old_logp: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-    """Reward/advantage statistics and mean |old - rollout| over trained tokens."""
+def batch_figures(
+    batch, old_logp: torch.Tensor, advantages: torch.Tensor, policy_version: int, tis_cap: float
+) -> dict[str, float]:
+    """Reward/advantage statistics, mean |old - rollout|, the behaviour ratio pi_old / pi_rollout
+    over trained tokens (mean, max, fraction truncated at `tis_cap`) and the staleness of the
+    samples (policy versions behind `policy_version`, mean and max)."""
     mask = batch.loss_mask
     adv_mean = masked_mean(advantages, mask)
     adv_var = masked_mean((advantages - adv_mean).square(), mask)
+    staleness = (policy_version - batch.policy_versions).float()
     return {
         "reward_mean": float(batch.reward.mean()),
         "advantage_mean": float(adv_mean),
         "advantage_std": float(adv_var.sqrt()),
         "old_rollout_abs_diff": float(masked_mean((old_logp - batch.rollout_logp).abs(), mask)),
+        **off_policy_figures(old_logp, batch.rollout_logp, mask, tis_cap),
+        "staleness_mean": float(staleness.mean()),
+        "staleness_max": float(staleness.max()),
     }
 
 
@@ -194,7 +207,7 @@ class Trainer:
             ),
             self.settings.advantage_config(),
         )  # fmt: skip
-        figures = batch_figures(batch, old_logp, advantages)
+        figures = batch_figures(batch, old_logp, advantages, self.state.policy_version, cfg.tis_cap)
         figures |= await self.backend.call(
             "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
         )
@@ -271,14 +284,16 @@ class Trainer:
                     figures[f"{phase}_s"]
                 )
         m.record_step(figures)
-        staleness = version - int(batch.policy_versions.min())
         with log_context(policy_version=self.state.policy_version):
             log.info(
-                "step %d: %d samples, %d tokens, staleness <= %d, loss %.4f, reward %.3f, "
-                "adv %.3f±%.3f, clip %.3f, entropy %.3f, kl %.4f, |old-rollout| %.5f, "
+                "step %d: %d samples, %d tokens, staleness %.2f (max %d), loss %.4f, "
+                "reward %.3f, adv %.3f±%.3f, ratio %.4f (max %.3f, tis-clipped %.3f), "
+                "clip %.3f, entropy %.3f, kl %.4f, |old-rollout| %.5f, "
                 "grad %.3f, %.1f tok/s, %.2fs (logp %.2fs, fwd/bwd %.2fs, opt %.2fs)",
-                self.state.step, batch.size, tokens, staleness, figures.get("loss", 0.0),
+                self.state.step, batch.size, tokens, figures["staleness_mean"],
+                figures["staleness_max"], figures.get("loss", 0.0),
                 figures["reward_mean"], figures["advantage_mean"], figures["advantage_std"],
+                figures["ratio_mean"], figures["ratio_max"], figures["tis_clip_frac"],
                 figures.get("clip_frac", 0.0), figures.get("entropy", 0.0),
                 figures.get("kl_ref", 0.0), figures["old_rollout_abs_diff"],
                 figures.get("grad_norm", 0.0), figures["tokens_per_second"], figures["step_s"],
