@@ -65,10 +65,12 @@ def engine(engine_factory) -> str:
     return engine_factory(MODEL, "--weight-version", "0", "--random-seed", "0")
 
 
-@pytest.fixture(scope="module")
-def replicas(engine, redis_url, log_dir) -> Iterator[list[Replica]]:
+def start_replicas(
+    names: tuple[str, ...], engine: str, redis_url: str, log_dir: Path, env: dict | None = None
+) -> list[Replica]:
+    """Gateway replicas in front of `engine`, ready to serve."""
     started = []
-    for name in ("sync-a", "sync-b"):
+    for name in names:
         port, control = free_port(), free_port()
         child = ChildProcess(
             f"gateway-{name}",
@@ -77,7 +79,7 @@ def replicas(engine, redis_url, log_dir) -> Iterator[list[Replica]]:
              "--model", MODEL],
             log_dir,
             env={"CLAWRL_CONFIG": "/nonexistent/clawrl.toml", "CLAWRL_GATEWAY_ID": name,
-                 "CLAWRL_SESSIONS__KEY_PREFIX": f"test:{name}"},
+                 "CLAWRL_SESSIONS__KEY_PREFIX": f"test:{name}", **(env or {})},
         )  # fmt: skip
         started.append(Replica(name, f"http://127.0.0.1:{port}", f"127.0.0.1:{control}", child))
     for replica in started:
@@ -88,7 +90,15 @@ def replicas(engine, redis_url, log_dir) -> Iterator[list[Replica]]:
             )  # fmt: skip
         except Exception:
             print(replica.child.log_tail(), file=sys.stderr)
+            for started_replica in started:
+                started_replica.child.stop()
             raise
+    return started
+
+
+@pytest.fixture(scope="module")
+def replicas(engine, redis_url, log_dir) -> Iterator[list[Replica]]:
+    started = start_replicas(("sync-a", "sync-b"), engine, redis_url, log_dir)
     yield started
     for replica in started:
         replica.child.stop()
@@ -154,6 +164,8 @@ def sync_env(redis_url) -> dict[str, str]:
         "CLAWRL_REDIS__VERSIONS_STREAM": f"test:{tag}:versions",
         "CLAWRL_SYNC__RESULTS_STREAM": f"test:{tag}:syncs",
         "CLAWRL_SYNC__LOCK_KEY": f"test:{tag}:lock",
+        # Not the default key: gateways other tests start read that one at start.
+        "CLAWRL_SYNC__SERVED_KEY": f"test:{tag}:serving",
     }
 
 

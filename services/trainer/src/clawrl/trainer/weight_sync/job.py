@@ -17,6 +17,14 @@ what they served before, so every replica ends on one version (if a rollback fai
 outcome is `inconsistent`). A job killed outright leaves its pause to the gateways' lease and
 its lock to the lock's TTL. Two syncs never run at once: a Redis lock with a TTL, renewed
 with the lease.
+
+A LoRA version (the announcement names an adapter) pauses nothing: every engine loads adapter
+policy-vN beside the one it serves (at once, while serving); if any fails, those that loaded it
+unload it and no gateway switches (the old adapter keeps serving). Else the served version is
+recorded in Redis (`sync.served_key`, for gateways and engines that restart), every gateway
+switches to it (SwitchAdapter: requests admitted from then on use it), and old policy adapters
+are unloaded once no gateway has a request running on them (bounded by `sync.unload_wait_s`;
+SGLang's unload itself waits for the engine's own requests).
 """
 
 from __future__ import annotations
@@ -24,15 +32,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import LockError
+from redis.exceptions import LockError, RedisError
 
 from clawrl.common.logs import log_context
+from clawrl.common.served import write_served
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.replicas import (
     Engine,
@@ -49,6 +59,10 @@ T = TypeVar("T")
 
 # Pushes `ready`'s weights into the engines at these URLs; raises when it cannot.
 Broadcast = Callable[[VersionReady, list[str]], Awaitable[None]]
+
+# Adapters a sync loaded (adapter_name): the only ones it unloads; others (tenants', the
+# engine's --lora-paths) are not its to remove.
+POLICY_ADAPTER = re.compile(r"policy-v\d+")
 
 # Exit codes of `clawrl-weight-sync run`, by outcome.
 EXIT_CODES = {"ok": 0, "skipped": 0, "failed": 1, "busy": 2, "inconsistent": 3}
@@ -72,6 +86,10 @@ class SyncResult:
     renewal_failures: int = 0
     job_id: str = ""
     finished_at: float = 0.0
+    adapter: str = ""  # LoRA syncs: the adapter switched to (no pause; load_s is its load)
+    switch_s: float = 0.0  # LoRA syncs: first SwitchAdapter sent -> last answered
+    unloaded: int = 0  # LoRA syncs: old adapters unloaded (engine x adapter)
+    kept: int = 0  # LoRA syncs: old adapters left loaded (still in use, or unload failed)
 
     @property
     def exit_code(self) -> int:
@@ -95,6 +113,15 @@ class SyncResult:
         return cls(**values)
 
     def summary(self) -> str:
+        if self.adapter:
+            return (
+                f"weight sync to v{self.version} (adapter {self.adapter}): {self.outcome}"
+                + (f" ({self.reason})" if self.reason else "")
+                + f"; no pause; load {self.load_s:.3f}s, switch {self.switch_s:.4f}s"
+                + f", {self.unloaded} old adapter(s) unloaded"
+                + (f", {self.kept} kept" if self.kept else "")
+                + f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
+            )
         return (
             f"weight sync to v{self.version}: {self.outcome}"
             + (f" ({self.reason})" if self.reason else "")
@@ -158,6 +185,16 @@ class WeightSync:
 
     async def run(self, ready: VersionReady, result: SyncResult) -> None:
         """Fills `result` (outcome, reason, durations) as it goes."""
+        if ready.is_adapter:
+            result.adapter = ready.adapter
+            renewals = asyncio.create_task(self._renew_lock_forever(), name="lock-renewal")
+            try:
+                await self._run_adapter(ready, result)
+            finally:
+                renewals.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewals
+            return
         served = await asyncio.gather(*(engine.weights() for engine in self.engines))
         if all(weights.version == str(ready.version) for weights in served):
             result.outcome, result.reason = (
@@ -204,6 +241,111 @@ class WeightSync:
                 log.error("resume failed (the pause lease will end it): %s", "; ".join(errors))
                 if result.outcome == "ok":
                     result.outcome, result.reason = "failed", "; ".join(errors)
+            if result.outcome == "ok":
+                # Full weights now: a gateway that starts must not route to an old adapter.
+                await self._record_served(ready.version, "", ready.path)
+
+    async def _run_adapter(self, ready: VersionReady, result: SyncResult) -> None:
+        """Load the adapter everywhere, switch every gateway, unload the old adapters."""
+        held, errors = await gather_answers([engine.adapters() for engine in self.engines])
+        if errors:
+            result.outcome, result.reason = "failed", "; ".join(errors)
+            return
+        # An engine holding the name already (a retried sync, or one the launcher reloaded)
+        # keeps it: SGLang refuses to load a name twice.
+        missing = [
+            e for e, names in zip(self.engines, held, strict=True) if ready.adapter not in names
+        ]
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(engine.load_adapter(ready.adapter, ready.path) for engine in missing),
+            return_exceptions=True,
+        )
+        result.load_s = time.monotonic() - started
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ReplicaError):
+                raise outcome
+        failed = [str(o) for o in outcomes if isinstance(o, ReplicaError)]
+        if failed:
+            loaded = [e for e, o in zip(missing, outcomes, strict=True) if o is None]
+            # Nobody routes to it: unloading it keeps the engines as they were.
+            undo = await gather_errors([e.unload_adapter(ready.adapter) for e in loaded])
+            for error in undo:
+                log.warning("after the failed load: %s", error)
+            result.outcome = "failed"
+            result.reason = "; ".join(failed) + (
+                f"; unloaded it from {len(loaded) - len(undo)} engine(s) that had loaded it"
+                if loaded
+                else ""
+            )
+            return
+        await self._record_served(ready.version, ready.adapter, ready.path)
+        started = time.monotonic()
+        _, errors = await gather_answers(
+            [g.switch_adapter(ready.version, ready.adapter) for g in self.gateways]
+        )
+        result.switch_s = time.monotonic() - started
+        if errors:
+            # Those that switched serve the new adapter, the others the old one: both loaded,
+            # and each turn records its own. The retry switches the rest.
+            result.outcome, result.reason = "failed", "; ".join(errors)
+            return
+        result.outcome = "ok"
+        await self._unload_old(ready.adapter, result)
+
+    async def _unload_old(self, keep: str, result: SyncResult) -> None:
+        """Unload every policy adapter but `keep` from every engine once no gateway has a
+        request running on it (or routes to it); ones still busy after the wait stay."""
+        held, errors = await gather_answers([engine.adapters() for engine in self.engines])
+        if errors:
+            log.warning("old adapters not unloaded: %s", "; ".join(errors))
+            return
+        old = {
+            (engine, name)
+            for engine, names in zip(self.engines, held, strict=True)
+            for name in names
+            if name != keep and POLICY_ADAPTER.fullmatch(name)
+        }
+        deadline = time.monotonic() + self.settings.sync.unload_wait_s
+        while old:
+            statuses, errors = await gather_answers([g.status() for g in self.gateways])
+            if errors:  # a gateway we cannot see may still route to one of them
+                log.warning("old adapters not unloaded: %s", "; ".join(errors))
+                break
+            busy = {s.adapter for s in statuses} | {
+                name for s in statuses for name, count in s.in_flight_by_adapter.items() if count
+            }
+            idle = {(engine, name) for engine, name in old if name not in busy}
+            errors = await gather_errors([engine.unload_adapter(name) for engine, name in idle])
+            for error in errors:
+                log.warning("%s", error)
+            result.unloaded += len(idle) - len(errors)
+            result.kept += len(errors)
+            old -= idle
+            if not old or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if old:
+            result.kept += len(old)
+            log.warning(
+                "adapters still in use after %.0fs, left loaded: %s",
+                self.settings.sync.unload_wait_s,
+                ", ".join(sorted(f"{name} on {engine.url}" for engine, name in old)),
+            )
+
+    async def _record_served(self, version: int, adapter: str, path: str) -> None:
+        """What the gateways route to from now on, for gateways and engines that (re)start."""
+        try:
+            await write_served(self.redis, self.settings.sync.served_key, version, adapter, path)
+        except RedisError as exc:  # serving goes on; only a restart would miss it
+            log.error("cannot record the served version at %s: %s",
+                      self.settings.sync.served_key, exc)  # fmt: skip
+
+    async def _renew_lock_forever(self) -> None:
+        """A LoRA sync pauses nothing, so there is no lease; the lock is renewed alone."""
+        while self.extra_renewal is not None:
+            await asyncio.sleep(self.settings.sync.lock_ttl_s / 3)
+            await self.extra_renewal()
 
     async def _continue_engines(self, result: SyncResult) -> None:
         """/continue_generation on every engine, whatever happened before: one left paused

@@ -11,6 +11,7 @@ from which this launcher keeps its metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from redis.asyncio import Redis
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.job import SyncResult
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
+from clawrl.trainer.weight_sync.reconcile import reconcile_forever
 from clawrl.trainer.weight_sync.replicas import continue_every_engine
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
@@ -51,7 +53,8 @@ def settings_env(settings: WeightSyncSettings) -> dict[str, str]:
 
 def run_args(ready: VersionReady, job_id: str) -> list[str]:
     """The arguments of `clawrl-weight-sync` that sync `ready` (process and Job alike)."""
-    return ["run", "--version", str(ready.version), "--path", ready.path, "--job-id", job_id]
+    args = ["run", "--version", str(ready.version), "--path", ready.path, "--job-id", job_id]
+    return [*args, "--adapter", ready.adapter] if ready.adapter else args
 
 
 class LocalLauncher:
@@ -128,15 +131,24 @@ class SyncWatcher:
 
     async def run_forever(self) -> None:
         await self.start()
-        pending: VersionReady | None = None
-        while True:
-            newest = await self._next_announcement(block=pending is None)
-            if newest is not None and (pending is None or newest.version > pending.version):
-                pending = newest
-            if pending is None or pending.version <= max(self.served, self.given_up):
-                pending = None
-                continue
-            pending = await self._sync(pending)
+        # Beside the syncs: engines that restarted get the served LoRA adapter back.
+        reconciler = asyncio.create_task(
+            reconcile_forever(self.settings, self.redis, self.metrics), name="reconcile"
+        )
+        try:
+            pending: VersionReady | None = None
+            while True:
+                newest = await self._next_announcement(block=pending is None)
+                if newest is not None and (pending is None or newest.version > pending.version):
+                    pending = newest
+                if pending is None or pending.version <= max(self.served, self.given_up):
+                    pending = None
+                    continue
+                pending = await self._sync(pending)
+        finally:
+            reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reconciler
 
     async def _sync(self, ready: VersionReady) -> VersionReady | None:
         """Sync `ready`, retrying; returns a newer announcement that cut the retries short."""

@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--version", type=int, help="policy version to load (default: the newest announced)"
     )
     run.add_argument("--path", help="checkpoint directory as the engines see it (with --version)")
+    run.add_argument(
+        "--adapter",
+        default="",
+        help="with --version: the path is this LoRA adapter's directory (policy-vN); the sync "
+        "loads it beside the served one and switches the gateways, with no pause",
+    )
     run.add_argument("--job-id", help="this job's name (lock token and pause holder)")
     watch = commands.add_parser("watch", help="one sync per announced version, newest first")
     watch.add_argument("--mode", choices=["local", "kubernetes"], help="launcher.mode")
@@ -81,7 +87,13 @@ async def run_once(settings: WeightSyncSettings, args: argparse.Namespace) -> in
             await redis.aclose()
             return 1
     else:
-        ready = VersionReady(version=args.version, path=args.path, step=0, created_at=time.time())
+        ready = VersionReady(
+            version=args.version,
+            path=args.path,
+            step=0,
+            created_at=time.time(),
+            adapter=args.adapter,
+        )
     job_id = args.job_id or f"sync-v{ready.version}-{secrets.token_hex(3)}"
     task = asyncio.create_task(sync_version(settings, redis, ready, job_id))
     # SIGTERM (Job deletion, Ctrl-C of the stack) cancels the sync, which resumes the gateways.
@@ -129,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.command == "run" and (args.version is None) != (args.path is None):
         sys.exit("clawrl-weight-sync run: give --version and --path together, or neither")
+    if args.command == "run" and args.adapter and args.version is None:
+        sys.exit("clawrl-weight-sync run: --adapter goes with --version and --path")
     settings = settings_from(args)
     configure_logging(settings.logging, "weight-sync")
     if args.command == "run":

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 if TYPE_CHECKING:
     from clawrl.trainer.weight_sync.job import SyncResult
 
+SWITCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -64,13 +65,51 @@ class WeightSyncMetrics:
             registry=r,
         )
 
+        self.switch = Histogram(
+            "clawrl_weight_sync_switch_duration_seconds",
+            "LoRA syncs: first SwitchAdapter sent to the last answered (no pause).",
+            buckets=SWITCH_BUCKETS_S,
+            registry=r,
+        )
+        self.adapter_load = Histogram(
+            "clawrl_weight_sync_adapter_load_duration_seconds",
+            "LoRA syncs: time the engines took to load the adapter beside the served one "
+            "(slowest replica).",
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.adapters_unloaded = Counter(
+            "clawrl_weight_sync_adapters_unloaded_total",
+            "Old LoRA adapters unloaded from engines after a switch.",
+            registry=r,
+        )
+        self.adapters_kept = Counter(
+            "clawrl_weight_sync_adapters_kept_total",
+            "Old LoRA adapters left loaded after a switch: still in use when the wait ended, "
+            "or their unload failed.",
+            registry=r,
+        )
+        self.adapter_reloads = Counter(
+            "clawrl_weight_sync_adapter_reloads_total",
+            "Engines found without the adapter the gateways route to (restarted), by outcome "
+            "of loading it back (loaded, failed), and engines that did not answer "
+            "(unreachable).",
+            ["outcome"],
+            registry=r,
+        )
+
     def observe(self, result: SyncResult) -> None:
         """Count one finished sync."""
         self.syncs.labels(outcome=result.outcome).inc()
         self.lease_renewal_failures.inc(result.renewal_failures)
         if result.broadcast_error:
             self.broadcast_fallbacks.inc()
+        self.adapters_unloaded.inc(result.unloaded)
+        self.adapters_kept.inc(result.kept)
         if result.outcome == "ok":
             self.pause.observe(result.pause_s)
             self.load.observe(result.load_s)
             self.policy_version.set(result.version)
+            if result.adapter:
+                self.switch.observe(result.switch_s)
+                self.adapter_load.observe(result.load_s)

@@ -58,37 +58,40 @@ class Gateway:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _call(self, method: str, request, extra_timeout_s: float = 0.0):
+        """One GatewayControl call; ReplicaError when the gateway refuses or is unreachable."""
+        try:
+            return await getattr(self._stub, method)(
+                request,
+                timeout=self.targets.call_timeout_s + extra_timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaError(
+                f"gateway {self.address}: {method} failed: {exc.code().name} {exc.details()}"
+            ) from exc
+
     async def pause(self, reason: str, drain_timeout_s: float) -> control_pb2.PauseResponse:
-        """Pause, or renew this holder's lease; ReplicaError when the gateway refuses or is
-        unreachable."""
+        """Pause, or renew this holder's lease (the call waits up to the drain)."""
         request = control_pb2.PauseRequest(
             drain_timeout_s=drain_timeout_s,
             reason=reason,
             lease_s=self.targets.lease_s,
             holder=self.holder,
         )
-        try:
-            return await self._stub.Pause(
-                request,
-                timeout=self.targets.call_timeout_s + drain_timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise ReplicaError(
-                f"gateway {self.address}: Pause failed: {exc.code().name} {exc.details()}"
-            ) from exc
+        return await self._call("Pause", request, drain_timeout_s)
 
     async def resume(self, policy_version: int | None) -> control_pb2.ResumeResponse:
-        try:
-            return await self._stub.Resume(
-                control_pb2.ResumeRequest(policy_version=policy_version or 0),
-                timeout=self.targets.call_timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise ReplicaError(
-                f"gateway {self.address}: Resume failed: {exc.code().name} {exc.details()}"
-            ) from exc
+        request = control_pb2.ResumeRequest(policy_version=policy_version or 0)
+        return await self._call("Resume", request)
+
+    async def switch_adapter(self, policy_version: int, adapter: str) -> control_pb2.GatewayStatus:
+        """Route new requests to `adapter` (no pause); the gateway's status after it."""
+        request = control_pb2.SwitchAdapterRequest(policy_version=policy_version, adapter=adapter)
+        return (await self._call("SwitchAdapter", request)).status
+
+    async def status(self) -> control_pb2.GatewayStatus:
+        return await self._call("GetStatus", control_pb2.GetStatusRequest())
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,29 @@ class Engine:
                 f"engine {self.url}: weight update refused: {reply.get('message', 'no message')}"
             )
         return int(reply.get("num_paused_requests") or 0)
+
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the engine holds, name -> path."""
+        try:
+            return await self._client.lora_adapters()
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: listing its adapters failed: {exc}") from exc
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """/load_lora_adapter while the engine keeps serving; ReplicaError with its reason."""
+        try:
+            await self._client.load_lora_adapter(name, path)
+        except EngineError as exc:
+            raise ReplicaError(f"engine {self.url}: loading adapter {name} failed: {exc}") from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        """/unload_lora_adapter: returns once the engine's requests using it have finished."""
+        try:
+            await self._client.unload_lora_adapter(name)
+        except EngineError as exc:
+            raise ReplicaError(
+                f"engine {self.url}: unloading adapter {name} failed: {exc}"
+            ) from exc
 
     async def pause_generation(self) -> None:
         """Retract the running generations (KV dropped, re-prefilled on continue) and admit

@@ -90,6 +90,19 @@ class SyncSettings(Section):
         "clawrl:weight-syncs",
         description="Stream of sync results (version, outcome, reason, pause and load seconds).",
     )
+    served_key: str = Field(
+        "clawrl:serving",
+        description="Redis hash recording the version the gateways route to, and its LoRA "
+        "adapter (the gateways' control.served_key): read by a starting gateway and by the "
+        "launcher, which loads that adapter back into engines that restarted.",
+    )
+    unload_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="After a LoRA switch, how long the job waits for the gateways' requests on "
+        "old adapters to finish before unloading them; one still in use then stays loaded "
+        "(the next sync unloads it).",
+    )
 
 
 class LauncherSettings(Section):
@@ -115,6 +128,12 @@ class LauncherSettings(Section):
     retry_backoff_s: float = Field(5.0, ge=0, description="Wait between two failed attempts.")
     job_timeout_s: float = Field(
         900.0, gt=0, description="A sync (process or Job) running longer than this is killed."
+    )
+    reconcile_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often the launcher checks that every engine holds the LoRA adapter "
+        "the gateways route to, and loads it into one that lacks it (an engine restarted).",
     )
     metrics_port: int | None = Field(
         None, ge=0, lt=65536, description="Serve Prometheus /metrics on this port (unset: no)."
