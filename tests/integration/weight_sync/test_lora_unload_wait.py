@@ -1,5 +1,6 @@
 """After a LoRA switch the job unloads the old adapter only once no gateway has a request
-running on it, and leaves it loaded when the wait runs out (a real GatewayControl server over a
+running on it, and leaves it loaded when the wait runs out; a version every engine holds and
+every gateway serves is skipped (a real GatewayControl server over a
 real gate, a scripted SGLang engine speaking the LoRA API over real HTTP, real Redis)."""
 
 from __future__ import annotations
@@ -116,3 +117,28 @@ async def test_an_old_adapter_still_in_use_when_the_wait_ends_stays_loaded(redis
     assert (result.outcome, result.unloaded, result.kept) == ("ok", 0, 1)
     assert "policy-v1" in engine.held and "policy-v1" not in engine.unloads
     assert gate.adapter == "policy-v2"
+
+
+async def test_a_version_already_loaded_and_served_everywhere_is_skipped(redis_url):
+    gate = PauseGate(GatewayMetrics(), hold_timeout_s=5, retry_after_s=1, policy_version=2,
+                     adapter="policy-v2")  # fmt: skip
+    server, port = await start_control_server(
+        gate, host="127.0.0.1", port=0, token=None, gateway_id="g", drain_timeout_s=5
+    )
+    engine = LoraEngine({"policy-v2": "/ckpt/v2"})
+    tag = uuid.uuid4().hex[:8]
+    async with scripted_engine(engine.routes()) as url:
+        settings = WeightSyncSettings(
+            gateways={"addresses": [f"127.0.0.1:{port}"]},
+            engines={"urls": [url]},
+            redis={"url": redis_url, "versions_stream": f"test:{tag}:versions"},
+            sync={"lock_key": f"test:{tag}:lock", "results_stream": f"test:{tag}:syncs",
+                  "served_key": f"test:{tag}:serving"},
+        )  # fmt: skip
+        redis = Redis.from_url(redis_url)
+        ready = VersionReady(2, "/ckpt/v2", 2, 0.0, adapter="policy-v2")
+        result = await sync_version(settings, redis, ready, "job")
+        await redis.aclose()
+    await server.stop(None)
+    assert (result.outcome, result.exit_code, result.load_s) == ("skipped", 0, 0.0)
+    assert gate.metrics.registry.get_sample_value("clawrl_gateway_adapter_switches_total") == 0

@@ -256,6 +256,10 @@ class WeightSync:
         missing = [
             e for e, names in zip(self.engines, held, strict=True) if ready.adapter not in names
         ]
+        if not missing and await self._all_switched(ready):
+            result.outcome = "skipped"
+            result.reason = f"every engine holds {ready.adapter} and every gateway serves it"
+            return
         started = time.monotonic()
         outcomes = await asyncio.gather(
             *(engine.load_adapter(ready.adapter, ready.path) for engine in missing),
@@ -292,6 +296,14 @@ class WeightSync:
             return
         result.outcome = "ok"
         await self._unload_old(ready.adapter, result)
+
+    async def _all_switched(self, ready: VersionReady) -> bool:
+        """Whether every gateway already routes to `ready`'s adapter (False when one does not
+        answer: the switch then tells)."""
+        statuses, errors = await gather_answers([g.status() for g in self.gateways])
+        return not errors and all(
+            (s.policy_version, s.adapter) == (ready.version, ready.adapter) for s in statuses
+        )
 
     async def _unload_old(self, keep: str, result: SyncResult) -> None:
         """Unload every policy adapter but `keep` from every engine once no gateway has a
