@@ -12,7 +12,8 @@ import redis
 from openai import OpenAI
 
 from clawrl.common.proto.records_pb2 import MaskReason
-from clawrl.common.records import Sample, Turn, decode_entry
+from clawrl.common.records import Sample, Turn, decode_entry, turn_id
+from clawrl.gateway.sessions import session_epoch
 from tests.conftest import wait_until
 from tests.e2e.local_stack import local_stack
 
@@ -52,7 +53,8 @@ def test_a_session_through_the_stack_lands_on_the_turns_stream(stack: dict[str, 
     r = redis.Redis(port=stack["redis"])
     entries = r.xrange("clawrl:turns")
     turns = [decode_entry(fields, Turn) for _, fields in entries]
-    assert [t.turn_id for t in turns] == ["e2e-1:0", "e2e-1:1"]
+    epoch = session_epoch(first.id)  # the session's state was made by its first request
+    assert [t.turn_id for t in turns] == [turn_id("e2e-1", epoch, i) for i in (0, 1)]
     assert turns[0].next_state_json and "Thanks!" in turns[0].next_state_json
     assert turns[0].response_ids and len(turns[0].response_ids) == len(turns[0].response_logprobs)
     assert not turns[1].next_state_json  # closed by X-Session-Done
@@ -85,12 +87,13 @@ def test_the_judge_turns_the_sessions_turns_into_samples(stack: dict[str, int]) 
     wait_until(lambda: len(judged()) == 2, 300, "samples of session j")
     samples = {s.sample_id: s for s in judged()}
     turns = {t.turn_id: t for t in (decode_entry(f, Turn) for _, f in r.xrange("clawrl:turns"))}
-    assert sorted(samples) == ["j:0", "j:1"]
+    ids = [turn_id("j", session_epoch(first.id), i) for i in (0, 1)]
+    assert sorted(samples) == ids
     for sample_id, sample in samples.items():
         assert list(sample.response_ids) == list(turns[sample_id].response_ids)
         assert list(sample.old_logprobs) == list(turns[sample_id].response_logprobs)
-    assert len(samples["j:0"].votes) == 3 and samples["j:0"].reward_source == "prm"
-    assert samples["j:1"].mask_reason == MaskReason.MASK_REASON_NO_NEXT_STATE
+    assert len(samples[ids[0]].votes) == 3 and samples[ids[0]].reward_source == "prm"
+    assert samples[ids[1]].mask_reason == MaskReason.MASK_REASON_NO_NEXT_STATE
     assert r.xpending("clawrl:turns", "judges")["pending"] == 0
 
 

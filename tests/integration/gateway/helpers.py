@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import redis
 
-from clawrl.common.records import Turn, decode_entry
+from clawrl.common.records import Turn, decode_entry, turn_id
+from clawrl.gateway.sessions import session_epoch
 
 TIMEOUT = httpx.Timeout(60.0)
 
@@ -73,6 +74,12 @@ class GatewayHandle:
             if all(found.get(k) == v for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+def turn_of(session_id: str, first_request_id: str, index: int) -> str:
+    """The id of a session's turn whose state the request `first_request_id` (a response `id`)
+    made: turn ids are `{session_id}:{epoch}:{index}`, the epoch derived from that request."""
+    return turn_id(session_id, session_epoch(first_request_id), index)
 
 
 def user(text: str) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from tests.conftest import free_port
 
-from .helpers import TIMEOUT, user
+from .helpers import TIMEOUT, turn_of, user
 
 pytestmark = pytest.mark.integration
 
@@ -194,9 +194,10 @@ def test_streamed_turn_is_stored_before_its_finish_chunk(slow_redis_gateway, eng
             content.append(delta["delta"].get("content") or "")
             if delta["finish_reason"]:
                 break
+        request_id = event["id"]
         # The finish chunk is here, [DONE] is not read yet: the turn must already be pending.
         pending = gateway.redis.hget(f"test:slow-redis:s:{session_id}", "tid")
-        assert pending == f"{session_id}:0".encode()
+        assert pending == turn_of(session_id, request_id, 0).encode()
         # ... and a next request sent now finds it and finalises it with its next state.
         history = [*messages, {"role": "assistant", "content": "".join(content)}, user("next")]
         nxt = gateway.chat(history, headers={"X-Session-Id": session_id, "X-Session-Done": "1"})
@@ -305,7 +306,7 @@ def test_a_stream_the_client_leaves_is_still_the_next_state(gateway, session_id)
         assert response.status_code == 200
         next(response.iter_lines())  # the stream started; hang up
     [turn] = gateway.wait_turns(session_id, 1)
-    assert turn.turn_id == f"{session_id}:0"
+    assert turn.turn_id == turn_of(session_id, first.json()["id"], 0)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
     assert json.loads(turn.next_state_json) == user("two")
     # The stream did not finish: no turn of its own is pending.

@@ -13,7 +13,7 @@ import pytest
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 
-from .helpers import user
+from .helpers import turn_of, user
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +21,11 @@ pytestmark = pytest.mark.integration
 def test_idle_timeout_finalises_the_pending_turn(idle_pair):
     a, _ = idle_pair
     session_id = f"idle-{uuid.uuid4().hex[:8]}"
-    assert a.chat([user("anyone there?")], headers={"X-Session-Id": session_id}).status_code == 200
+    reply = a.chat([user("anyone there?")], headers={"X-Session-Id": session_id})
+    assert reply.status_code == 200
     [turn] = a.wait_turns(session_id, 1, timeout_s=15)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_IDLE_TIMEOUT
-    assert turn.next_state_json == "" and turn.turn_id == f"{session_id}:0"
+    assert turn.next_state_json == "" and turn.turn_id == turn_of(session_id, reply.json()["id"], 0)
     assert turn.gateway_id in ("idle-a", "idle-b")
 
 
@@ -57,7 +58,9 @@ def test_two_replicas_finalise_each_turn_exactly_once(idle_pair):
         list(pool.map(race, enumerate(zip(sessions, firsts, strict=True))))
 
     # Every turn (the first, and the second where it was served) ends up finalised, once.
-    expected = {f"{s}:0" for s in sessions} | {f"{s}:1" for s in sessions}
+    pairs = zip(sessions, firsts, strict=True)
+    ids = {s: [turn_of(s, first["id"], i) for i in (0, 1)] for s, first in pairs}
+    expected = {turn for pair in ids.values() for turn in pair}
     wanted = set(sessions)
     deadline = time.monotonic() + 20
     while True:
@@ -70,7 +73,7 @@ def test_two_replicas_finalise_each_turn_exactly_once(idle_pair):
     assert all(n == 1 for n in counts.values()), [k for k, n in counts.items() if n > 1]
     by_id = {t.turn_id: t for t in turns}
     for session_id in sessions:
-        first = by_id[f"{session_id}:0"]
+        first = by_id[ids[session_id][0]]
         if first.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE:
             assert json.loads(first.next_state_json)["content"] == "next"
         else:

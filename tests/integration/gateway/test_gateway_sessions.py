@@ -3,6 +3,7 @@ the session arrives, with exactly what the engine sampled."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -12,7 +13,7 @@ import redis
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 
-from .helpers import TIMEOUT, user
+from .helpers import TIMEOUT, turn_of, user
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +30,11 @@ def test_three_turn_session(gateway, session_id):
     for i, text in enumerate(["second", "third"]):
         reply = gateway.chat(history, headers=headers)
         assert reply.status_code == 200
-        assert reply.headers["x-turn-id"] == f"{session_id}:{i}"
         replies.append(reply.json())
+        assert reply.headers["x-turn-id"] == turn_of(session_id, replies[0]["id"], i)
         history = [*history, assistant(reply.json()), user(text)]
-    assert gateway.wait_turns(session_id, 1)[0].turn_id == f"{session_id}:0"
+    first_id = turn_of(session_id, replies[0]["id"], 0)
+    assert gateway.wait_turns(session_id, 1)[0].turn_id == first_id
     # The third request closes the session: it is recorded and finalised right away.
     reply = gateway.chat(history, headers={**headers, "X-Session-Done": "true"})
     assert reply.status_code == 200
@@ -55,6 +57,72 @@ def test_three_turn_session(gateway, session_id):
     assert json.loads(first.response_message_json)["role"] == "assistant"
 
 
+async def judge_outcomes(redis_url: str, stream: str, turns: list) -> list[str]:
+    """What the judge's commit script (on the real Redis) makes of a sample of each turn:
+    'published' / 'promoted', or 'duplicate' when a sample of that id was already written."""
+    from redis.asyncio import Redis
+
+    from clawrl.judge.core import Judgement, base_sample
+    from clawrl.judge.store import JudgeStore, StoreConfig
+    from clawrl.judge.turns import check_turn
+
+    tag = f"test:judge-{uuid.uuid4().hex[:8]}"
+    config = StoreConfig(
+        prefix=tag,
+        turns_stream=stream,
+        samples_stream=f"{tag}:samples",
+        audit_stream=f"{tag}:audit",
+        group=f"{tag}:group",
+        samples_maxlen=1000,
+        audit_maxlen=1000,
+        done_ttl_s=60,
+        session_ttl_s=60,
+    )
+    redis = Redis.from_url(redis_url)
+    try:
+        store = JudgeStore(redis, config)
+        entries = {
+            fields[b"id"].decode(): entry_id.decode()
+            for entry_id, fields in await redis.xrange(stream)
+        }
+        outcomes = []
+        for turn in turns:  # one commit per turn, in order, as the judge's workers may
+            judgement = Judgement(base_sample(check_turn(turn), "rl"), {"turn_id": turn.turn_id})
+            outcomes += await store.commit([(entries[turn.turn_id], judgement)])
+        return outcomes
+    finally:
+        await redis.aclose()
+
+
+def test_a_session_id_back_after_its_state_expired_gets_new_turn_ids(
+    gateway, session_id, redis_url
+):
+    """The session's state in Redis expires (TTL) long before the judge forgets what it judged:
+    the same session id coming back starts a new state, whose turns must not reuse the ids of
+    the turns before, or the judge would take them for duplicates and drop them."""
+    headers = {"X-Session-Id": session_id}
+
+    def two_turns(opening: str) -> list[httpx.Response]:
+        first = gateway.chat([user(opening)], headers=headers)
+        history = [user(opening), assistant(first.json()), user("and then?")]
+        second = gateway.chat(history, headers={**headers, "X-Session-Done": "true"})
+        assert first.status_code == second.status_code == 200
+        return [first, second]
+
+    replies = two_turns("one")
+    assert len(gateway.wait_turns(session_id, 2)) == 2
+    gateway.redis.delete(f"test:main:s:{session_id}")  # the session's state, as its TTL would
+    replies += two_turns("two")
+    turns = gateway.wait_turns(session_id, 4)
+    ids = [t.turn_id for t in turns]
+    assert [t.turn_index for t in turns] == [0, 1, 0, 1]
+    assert len(set(ids)) == 4, ids
+    assert ids == [r.headers["x-turn-id"] for r in replies]
+    assert ids[2:] == [turn_of(session_id, replies[2].json()["id"], i) for i in (0, 1)]
+    outcomes = asyncio.run(judge_outcomes(redis_url, gateway.stream, turns))
+    assert outcomes == ["published"] * 4
+
+
 def test_a_main_request_costs_one_redis_round_trip(gateway, session_id):
     """Finalising the session's previous turn and storing this one is one script call, seen by
     Redis MONITOR (commands run inside a script are reported as `lua`, not as round trips)."""
@@ -74,7 +142,9 @@ def test_a_main_request_costs_one_redis_round_trip(gateway, session_id):
                 seen.append(command["command"].split(" ", 1)[0].upper())
     client.close()
     assert seen == ["EVALSHA"]
-    assert [t.turn_id for t in gateway.wait_turns(session_id, 1)] == [f"{session_id}:0"]
+    assert [t.turn_id for t in gateway.wait_turns(session_id, 1)] == [
+        turn_of(session_id, first.json()["id"], 0)
+    ]
 
 
 def test_session_keys_in_the_body_are_stripped_and_used(gateway, session_id):

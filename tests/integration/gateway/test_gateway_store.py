@@ -12,9 +12,9 @@ import pytest
 from redis.asyncio import Redis
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
-from clawrl.common.records import Turn, decode_entry
+from clawrl.common.records import Turn, decode_entry, turn_id
 from clawrl.gateway.recording import finalize_extra
-from clawrl.gateway.sessions import SessionStore, extend_hash, history_hashes
+from clawrl.gateway.sessions import SessionStore, extend_hash, history_hashes, session_epoch
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +41,11 @@ async def published(store: SessionStore) -> list[Turn]:
 
 def turn_bytes(text: str) -> bytes:
     return Turn(response_text=text).SerializeToString()
+
+
+def tid(first_request: str, index: int, session_id: str = "s") -> str:
+    """The id of a turn of the session state that request `first_request` made."""
+    return turn_id(session_id, session_epoch(first_request), index)
 
 
 async def record(store, request_id, session_id=None, *, scope="-", prefixes=("h",), **turn):
@@ -72,11 +77,24 @@ async def advance(store, request_id, session_id=None, scope="-", prefixes=("h",)
 async def test_a_retried_store_records_one_turn(store):
     first = await store_turn(store, "req-1", "s", done=DONE)
     again = await store_turn(store, "req-1", "s", done=DONE)
-    assert first == again and first.turn_id == "s:0"
+    assert first == again and first.turn_id == tid("req-1", 0)
     turns = await published(store)
-    assert [t.turn_id for t in turns] == ["s:0"]
-    # A new request id is a new turn.
-    assert (await store_turn(store, "req-2", "s")).turn_id == "s:1"
+    assert [t.turn_id for t in turns] == [tid("req-1", 0)]
+    # A new request id is a new turn (of the same state: closing it kept its counter).
+    assert (await store_turn(store, "req-2", "s")).turn_id == tid("req-1", 1)
+
+
+async def test_a_session_whose_state_expired_gets_new_turn_ids(store):
+    """The session's state gone (its TTL ran out), the same session id starts again at index 0,
+    under the epoch of the request that made the new state: no id repeats an earlier turn's."""
+    await store_turn(store, "req-0", "s")
+    await store_turn(store, "req-1", "s", done=DONE)
+    await store.redis.delete(store.session_key("s"))  # as its TTL would
+    await store_turn(store, "req-2", "s")
+    await store_turn(store, "req-3", "s", done=DONE)
+    ids = [t.turn_id for t in await published(store)]
+    assert ids == [tid("req-0", 0), tid("req-0", 1), tid("req-2", 0), tid("req-2", 1)]
+    assert len(set(ids)) == 4
 
 
 async def test_a_retried_pending_store_does_not_supersede_itself(store):
@@ -92,20 +110,20 @@ async def test_a_retried_advance_does_not_finalise_a_later_turn(store):
     request 2 stored in between."""
     await store_turn(store, "req-0", "s")
     first = await advance(store, "req-1", "s")
-    assert first.finalized_turn_id == "s:0"
+    assert first.finalized_turn_id == tid("req-0", 0)
     await store_turn(store, "req-2", "s", history="h2")
     again = await advance(store, "req-1", "s", prefixes=("h2",))
     assert again == first
-    assert [t.turn_id for t in await published(store)] == ["s:0"]
-    assert await store.redis.hget(store.session_key("s"), "tid") == b"s:1"
+    assert [t.turn_id for t in await published(store)] == [tid("req-0", 0)]
+    assert await store.redis.hget(store.session_key("s"), "tid") == tid("req-0", 1).encode()
 
 
 async def test_a_retried_finalize_publishes_once(store):
     await store_turn(store, "req-0", "s")
-    assert await store.finalize("req-1", "s", DONE) == "s:0"
+    assert await store.finalize("req-1", "s", DONE) == tid("req-0", 0)
     await store_turn(store, "req-2", "s")
-    assert await store.finalize("req-1", "s", DONE) == "s:0"
-    assert [t.turn_id for t in await published(store)] == ["s:0"]
+    assert await store.finalize("req-1", "s", DONE) == tid("req-0", 0)
+    assert [t.turn_id for t in await published(store)] == [tid("req-0", 0)]
 
 
 async def test_anonymous_histories_are_scoped_to_the_caller(store):
@@ -129,7 +147,7 @@ async def test_anonymous_histories_are_scoped_to_the_caller(store):
     assert stranger.finalized_turn_id is None and not stranger.ambiguous
     turns = await published(store)
     texts = {t.turn_id: t.response_text for t in turns}
-    assert texts == {f"{alice.session_id}:0": "alice", f"{bob.session_id}:0": "bob"}
+    assert texts == {tid("a-0", 0, alice.session_id): "alice", tid("b-0", 0, bob.session_id): "bob"}
     # The session id in the record is the one the script resolved.
     assert {t.session_id for t in turns} == {alice.session_id, bob.session_id}
 
@@ -198,8 +216,8 @@ async def test_a_turn_stored_after_a_request_arrived_is_superseded_not_answered(
         turn=turn_bytes("late"),
         history_hash="h1",
     )
-    assert late.superseded_turn_id == "s:0" and late.finalized_turn_id is None
-    assert late.turn_id == "s:1"
+    assert late.superseded_turn_id == tid("req-0", 0) and late.finalized_turn_id is None
+    assert late.turn_id == tid("req-0", 1)
     [turn] = await published(store)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_SUPERSEDED
     assert not turn.next_state_json
@@ -208,7 +226,7 @@ async def test_a_turn_stored_after_a_request_arrived_is_superseded_not_answered(
 async def test_a_failed_request_still_answers_and_closes_its_session(store):
     await store_turn(store, "req-0", "s")
     failed = await record(store, "req-1", "s", done=DONE)
-    assert failed.finalized_turn_id == "s:0" and failed.turn_id is None
+    assert failed.finalized_turn_id == tid("req-0", 0) and failed.turn_id is None
     [turn] = await published(store)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
     assert await store.redis.zscore(store.active_key, "s") is None

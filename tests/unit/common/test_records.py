@@ -7,7 +7,7 @@ from clawrl.common.records import RecordError, Sample, Turn, decode_entry, encod
 
 def test_turn_round_trips_through_a_stream_entry() -> None:
     turn = Turn(
-        turn_id=turn_id("sess-1", 3),
+        turn_id=turn_id("sess-1", "0a1b2c", 3),
         session_id="sess-1",
         turn_index=3,
         prompt_ids=[1, 2, 3],
@@ -17,7 +17,7 @@ def test_turn_round_trips_through_a_stream_entry() -> None:
         next_state_json='{"role": "user", "content": "thanks"}',
     )
     fields = encode_entry(turn)
-    assert fields["id"] == b"sess-1:3"
+    assert fields["id"] == b"sess-1:0a1b2c:3"
     assert fields["type"] == b"clawrl.v1.Turn"
     # Redis hands back bytes keys.
     decoded = decode_entry({k.encode(): v for k, v in fields.items()}, Turn)

@@ -41,7 +41,7 @@ class Entry:
 
     @property
     def record_id(self) -> str:
-        """The record's stable id (`{session_id}:{turn_index}`), "" when the entry has none."""
+        """The record's stable id (a turn's or a sample's id), "" when the entry has none."""
         return _text(self.fields.get(b"id", b""))
 
 

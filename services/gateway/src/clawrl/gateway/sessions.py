@@ -2,7 +2,10 @@
 
 Keys (prefix `clawrl:gw` by default):
 - `{p}:s:{session_id}` hash, TTL refreshed on each request: `next` (index of the session's next
-  main turn), and while a turn awaits its next state: `turn` (the serialised `Turn`, without
+  main turn), `epoch` (made with the state, from its first request's id: turn ids are
+  `{session_id}:{epoch}:{index}`, so a session id whose state expired and that comes back gets
+  new ids, never those of turns already judged or trained), and while a turn awaits its next
+  state: `turn` (the serialised `Turn`, without
   turn id/index or finalisation fields), `tid` (its turn id), `hist` (hash of the history it
   ends, assistant reply included), `at` (when it was stored).
 - `{p}:active` sorted set: session id -> time of last request; every replica sweeps it for
@@ -100,6 +103,14 @@ def assistant_prefixes(messages: Sequence[dict[str, Any]], hashes: Sequence[str]
     return [
         hashes[i] for i in range(len(messages) - 2, -1, -1) if messages[i]["role"] == "assistant"
     ]
+
+
+def session_epoch(request_id: str) -> str:
+    """The epoch of a session state that request `request_id` creates. From the request id
+    (unique per request) rather than drawn at random, so a write of that request retried or
+    replayed later names the same turns. 48 bits: two states of one session id share an epoch
+    with odds of 2**-48 (a client would need millions of expired states to make it likely)."""
+    return hashlib.blake2b(request_id.encode(), digest_size=6).hexdigest()
 
 
 # --- the store (I/O) ----------------------------------------------------------------------
@@ -202,6 +213,7 @@ class SessionStore:
                 turn,
                 history_hash,
                 done,
+                session_epoch(request_id),
             ],
         )
         return Recorded(

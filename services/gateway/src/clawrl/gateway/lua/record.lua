@@ -10,7 +10,8 @@
 --       8 next-state extra, 9 mismatch extra, 10 new session id (for an anonymous request
 --       nobody claims), 11 dedupe ttl, 12 arrival time of the request, 13 superseded extra,
 --       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
---       reply), 16 done extra ('' = keep the turn pending).
+--       reply), 16 done extra ('' = keep the turn pending), 17 epoch for a session state this
+--       request creates.
 -- Returns {session id, finalised turn id or '', history mismatch 0/1, ambiguous history 0/1,
 --          turn id or '', superseded turn id or '', ambiguous claim 0/1}.
 local earlier = replayed()
@@ -57,7 +58,10 @@ if ARGV[14] == '' then
 end
 
 local index = redis.call('HINCRBY', skey, 'next', 1) - 1
-local tid = sid .. ':' .. index
+-- The epoch is made with the session's state and is part of every turn id: a session id whose
+-- state expired (TTL) starts again at index 0 under a new epoch, never under an old turn's id.
+redis.call('HSETNX', skey, 'epoch', ARGV[17])
+local tid = sid .. ':' .. redis.call('HGET', skey, 'epoch') .. ':' .. index
 -- turn_id (field 1, string), session_id (field 2, string) and turn_index (field 3, varint)
 -- merge into the stored bytes.
 local turn = '\10' .. varint(#tid) .. tid .. '\18' .. varint(#sid) .. sid .. '\24' .. varint(index)
