@@ -3,6 +3,8 @@ for any text and for a conversation rendered again and again as it grows."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,22 +50,21 @@ def test_a_growing_conversation_tokenises_like_a_full_render(renderer):
         messages.append({"role": "assistant", "content": f" answer {turn}\n"})
 
 
-def test_tokenizers_whose_added_tokens_strip_are_not_split():
-    class Token:
-        def __init__(self, lstrip):
-            self.content, self.lstrip, self.rstrip = "<x>", lstrip, False
-            self.normalized = self.single_word = False
+def test_tokenizers_whose_added_tokens_strip_are_not_split(renderer):
+    """An added token that swallows the whitespace next to it (lstrip) makes piecewise encoding
+    inexact: no SegmentEncoder then (the SmolLM2 tokenizer, with <|im_end|> made to lstrip)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    class Backend:
-        def __init__(self, lstrip):
-            self.lstrip = lstrip
+    def tokenizer(lstrip: bool) -> PreTrainedTokenizerFast:
+        spec = json.loads(renderer.tokenizer.backend_tokenizer.to_str())
+        for token in spec["added_tokens"]:
+            token["lstrip"] = lstrip and token["content"] == "<|im_end|>"
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
 
-        def get_added_tokens_decoder(self):
-            return {0: Token(self.lstrip)}
-
-    class Tokenizer:
-        def __init__(self, lstrip):
-            self.backend_tokenizer = Backend(lstrip)
-
-    assert SegmentEncoder.for_tokenizer(Tokenizer(lstrip=True)) is None
-    assert SegmentEncoder.for_tokenizer(Tokenizer(lstrip=False)) is not None
+    assert SegmentEncoder.for_tokenizer(tokenizer(lstrip=True)) is None
+    assert SegmentEncoder.for_tokenizer(tokenizer(lstrip=False)) is not None
+    # Rendered whole instead, with the control tokens written in messages still text.
+    whole = ChatRenderer.for_tokenizer(tokenizer(lstrip=True))
+    ids = whole.render_ids([{"role": "user", "content": "x <|im_end|> y"}])
+    assert [i for i in ids if i in (1, 2)] == [1, 2, 1]  # <|im_start|>, <|im_end|>, <|im_start|>

@@ -3,10 +3,17 @@
 The gateway (and the CPU engine's /v1/chat/completions) turn OpenAI messages into prompt token
 ids here, once per request; the ids go to the engine as `input_ids`, so what is trained on is
 exactly what was served.
+
+Control tokens (`<|im_end|>`, `<|im_start|>`, ...) written in messages or tools are encoded as
+plain text by default: only the template itself writes turn boundaries, so a tool result or a
+user message cannot forge them in the prompt (and in the recorded training data). Each control
+token found in the caller's strings is wrapped in two noncharacters before rendering; the encoder
+then tells it from the template's own tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from collections import OrderedDict
@@ -19,6 +26,10 @@ from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 
 TOOLS_TEMPLATE = "chatml_tools.jinja"
+
+# Unicode noncharacters (never in text that is exchanged) around a control token that came from
+# the caller's messages or tools.
+MARK_START, MARK_END = "\ufdd0", "\ufdd1"
 
 
 class ChatTemplateError(ValueError):
@@ -51,12 +62,29 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**message, "content": content_text(message.get("content"))} for message in messages]
 
 
+def mark_control_tokens(value: Any, controls: re.Pattern[str]) -> Any:
+    """`value` (messages, tools: strings inside dicts and lists) with each control token in its
+    strings wrapped in MARK_START/MARK_END. Markers already in a string are dropped first, so a
+    caller cannot forge one around a token the template writes. Dict keys are left alone."""
+    if isinstance(value, str):
+        if MARK_START in value or MARK_END in value:
+            value = value.replace(MARK_START, "").replace(MARK_END, "")
+        return controls.sub(lambda match: MARK_START + match.group(0) + MARK_END, value)
+    if isinstance(value, dict):
+        return {key: mark_control_tokens(item, controls) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mark_control_tokens(item, controls) for item in value]
+    return value
+
+
 class SegmentEncoder:
     """Tokenises text piece by piece between added tokens (`<|im_start|>`, `<|im_end|>`, ...),
     remembering the ids of recent pieces. A fast tokenizer splits text at its added tokens
     before anything else, so the ids are those of encoding the whole text; a conversation's
     next prompt then only tokenises its new messages (its earlier ones, the system prompt and
-    the tool schemas are pieces seen before). Thread-safe (renders also run in a worker)."""
+    the tool schemas are pieces seen before). `encode_marked` also encodes the control tokens a
+    caller wrote (marked by `mark_control_tokens`) as plain text. Thread-safe (renders also run
+    in a worker)."""
 
     def __init__(self, backend: Any, max_pieces: int = 8192) -> None:
         tokens = backend.get_added_tokens_decoder()
@@ -67,6 +95,19 @@ class SegmentEncoder:
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._max_pieces = max_pieces
         self._lock = threading.Lock()
+        # Control tokens: every added token but whitespace ones (a "\n" token is text anyway).
+        controls = sorted((t for t in self._special if not t.isspace()), key=len, reverse=True)
+        self.controls = re.compile("|".join(map(re.escape, controls)) or "(?!)")
+        # A control token the caller wrote: marked on either side (a template that cut a marked
+        # string may have cut one marker off; callers cannot write markers), or a lone marker.
+        self._marked = re.compile(
+            f"{MARK_START}({self.controls.pattern}){MARK_END}?"
+            f"|({self.controls.pattern}){MARK_END}|[{MARK_START}{MARK_END}]"
+        )
+        self._as_text = {token: self._plain_text_ids(token) for token in controls}
+        # Tokens whose plain-text ids are added tokens again: cannot be made text.
+        added = set(self._special.values())
+        self.unsanitizable = [t for t, ids in self._as_text.items() if added.intersection(ids)]
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> SegmentEncoder | None:
@@ -81,6 +122,34 @@ class SegmentEncoder:
         ):
             return None
         return cls(backend)
+
+    def _plain_text_ids(self, text: str) -> list[int]:
+        """`text` through the tokenizer's normaliser, pre-tokeniser and model, without matching
+        added tokens: how a control token in a message is encoded."""
+        backend = self._backend
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        words = [text]
+        if backend.pre_tokenizer is not None:
+            words = [word for word, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for word in words for token in backend.model.tokenize(word)]
+
+    def encode_marked(self, text: str) -> list[int]:
+        """Ids of a chat rendered from marked messages (`mark_control_tokens`): a marked
+        control token as plain text, a lone marker dropped (the text on its two sides is
+        encoded apart, so it cannot join into a control token), the rest as `encode` does."""
+        if MARK_START not in text and MARK_END not in text:
+            return self.encode(text)
+        ids: list[int] = []
+        done = 0
+        for match in self._marked.finditer(text):
+            ids.extend(self.encode(text[done : match.start()]))
+            token = match.group(1) or match.group(2)
+            if token:
+                ids.extend(self._as_text[token])
+            done = match.end()
+        ids.extend(self.encode(text[done:]))
+        return ids
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -107,14 +176,43 @@ class SegmentEncoder:
 
 @dataclass(frozen=True)
 class ChatRenderer:
-    """Renders chat messages (+ tools) to prompt ids with one tokenizer and one template."""
+    """Renders chat messages (+ tools) to prompt ids with one tokenizer and one template.
+    `sanitize_control_tokens`: control tokens in the messages and tools are encoded as plain
+    text (see the module's docstring); off, they become the control tokens they spell."""
 
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     template: str
     segments: SegmentEncoder | None = field(default=None, compare=False, repr=False)
+    sanitize_control_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sanitize_control_tokens and self.segments and self.segments.unsanitizable:
+            raise ValueError(
+                f"{self.segments.unsanitizable} encode to added tokens even as plain text: set "
+                "model.sanitize_control_tokens = false to tokenise control tokens in messages "
+                "as such"
+            )
+        # Without a SegmentEncoder, transformers does the sanitising (since its 5.x releases).
+        if (
+            self.sanitize_control_tokens
+            and self.segments is None
+            and "sanitize_control_tokens"
+            not in inspect.signature(self.tokenizer.apply_chat_template).parameters
+        ):
+            raise ValueError(
+                "this tokenizer's added tokens cannot be split out piecewise and this "
+                "transformers cannot encode control tokens in messages as text: upgrade "
+                "transformers, or set model.sanitize_control_tokens = false"
+            )
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, template_path: Path | None = None) -> ChatRenderer:
+    def for_tokenizer(
+        cls,
+        tokenizer: Any,
+        template_path: Path | None = None,
+        *,
+        sanitize_control_tokens: bool = True,
+    ) -> ChatRenderer:
         """Use `template_path` if given, else the tokenizer's template when it can render tools,
         else clawrl's ChatML + Hermes tool template (one template for every turn of a model)."""
         if template_path is not None:
@@ -123,28 +221,34 @@ class ChatRenderer:
             template = tokenizer.chat_template
         else:
             template = builtin_template()
-        return cls(tokenizer, template, SegmentEncoder.for_tokenizer(tokenizer))
+        segments = SegmentEncoder.for_tokenizer(tokenizer)
+        return cls(tokenizer, template, segments, sanitize_control_tokens)
 
     @classmethod
     def from_settings(cls, settings: ModelSettings) -> ChatRenderer:
         from transformers import AutoTokenizer  # heavy import, only where a renderer is built
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(settings)))
-        return cls.for_tokenizer(tokenizer, settings.chat_template)
+        return cls.for_tokenizer(
+            tokenizer,
+            settings.chat_template,
+            sanitize_control_tokens=settings.sanitize_control_tokens,
+        )
 
-    def render_text(
+    def _apply(
         self,
         messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> str:
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        **options: Any,
+    ) -> Any:
         try:
             return self.tokenizer.apply_chat_template(
                 normalize_messages(messages),
                 tools=tools or None,
                 chat_template=self.template,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **options,
             )
         except ChatTemplateError:
             raise
@@ -153,6 +257,14 @@ class ChatRenderer:
                 f"cannot render messages with the chat template: {exc}"
             ) from exc
 
+    def render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return self._apply(messages, tools, add_generation_prompt, tokenize=False)
+
     def render_ids(
         self,
         messages: list[dict[str, Any]],
@@ -160,10 +272,29 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Prompt token ids. The template already writes special tokens, so none are added."""
-        text = self.render_text(messages, tools, add_generation_prompt)
-        if self.segments is not None:
-            return self.segments.encode(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if not self.sanitize_control_tokens:
+            text = self.render_text(messages, tools, add_generation_prompt)
+            if self.segments is not None:
+                return self.segments.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if self.segments is None:
+            return list(
+                self._apply(
+                    messages,
+                    tools,
+                    add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                    sanitize_control_tokens=True,
+                )
+            )
+        controls = self.segments.controls
+        text = self.render_text(
+            mark_control_tokens(messages, controls),
+            mark_control_tokens(tools, controls),
+            add_generation_prompt,
+        )
+        return self.segments.encode_marked(text)
 
     @property
     def eos_token_ids(self) -> list[int]:

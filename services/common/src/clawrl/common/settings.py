@@ -60,6 +60,13 @@ class ModelSettings(Section):
         description="A Jinja chat template that replaces the tokenizer's own. When unset and the "
         "tokenizer's template cannot render tools, clawrl's Hermes-style template is used.",
     )
+    sanitize_control_tokens: bool = Field(
+        True,
+        description="Encode control tokens written in messages and tools (`<|im_end|>` in a "
+        "tool result or a user message) as plain text, so only the chat template writes turn "
+        "boundaries into prompts and recorded turns. False: they are tokenised as the control "
+        "tokens they spell (clawrl's behaviour before; a caller can then forge turns).",
+    )
     context_length: int | None = Field(
         None,
         gt=0,

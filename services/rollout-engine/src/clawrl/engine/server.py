@@ -82,7 +82,11 @@ def create_app(settings: EngineSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await CpuEngine.load(settings, state.metrics)
         state.engine = engine
-        state.renderer = ChatRenderer.for_tokenizer(engine.tokenizer, settings.model.chat_template)
+        state.renderer = ChatRenderer.for_tokenizer(
+            engine.tokenizer,
+            settings.model.chat_template,
+            sanitize_control_tokens=settings.model.sanitize_control_tokens,
+        )
         state.limits = Limits(
             vocab_size=engine.vocab_size,
             context_length=engine.context_length,
