@@ -26,6 +26,7 @@ from clawrl.judge.server import start_grpc, start_http
 from clawrl.judge.settings import JudgeSettings
 from clawrl.judge.store import JudgeStore, StoreConfig
 from clawrl.judge.teacher import Teacher
+from clawrl.judge.vocab import TokenizerMismatch, wait_and_check_tokenizer
 from clawrl.judge.worker import JudgeConsumer, Worker, housekeeping
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,26 @@ def build_workers(
     return workers
 
 
+async def refuse_another_tokenizer(
+    settings: JudgeSettings, judge: Judge, engine: SGLangClient | None
+) -> None:
+    """opd/combine: wait for the judge engine and stop the start (closing what was built) unless
+    it reads the policy's token ids as the policy does (see `vocab`)."""
+    assert engine is not None and judge.teacher is not None
+    w = settings.workers
+    try:
+        tokenizer = judge.teacher.renderer.tokenizer
+        mode = settings.judging.mode
+        await wait_and_check_tokenizer(engine, tokenizer, mode, w.retry_initial_s, w.retry_max_s)
+    except BaseException as exc:
+        if isinstance(exc, TokenizerMismatch):
+            log.error("refusing to start: %s", exc)
+        if judge.backend is not None:
+            await judge.backend.aclose()
+        await engine.aclose()
+        raise
+
+
 @contextlib.asynccontextmanager
 async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterator[JudgeService]:
     """Build everything, start the workers (and the servers when `serve`), yield the service;
@@ -178,6 +199,8 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
             max_connections=settings.backend.max_connections,
         )
     judge = await asyncio.to_thread(build_judge, settings, metrics, engine)
+    if judge.teacher is not None:
+        await refuse_another_tokenizer(settings, judge, engine)
     redis = create_redis(settings)
     store = build_store(settings, redis)
     workers = build_workers(settings, redis, store, judge, metrics)
