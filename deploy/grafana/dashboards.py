@@ -348,7 +348,22 @@ LEARNING = [
     Panel(
         "Clip fraction",
         "percentunit",
-        (("max(clawrl_trainer_clip_frac)", "clipped tokens"),),
+        (
+            ("max(clawrl_trainer_clip_frac)", "PPO-clipped tokens"),
+            ("max(clawrl_trainer_tis_clip_frac)", "TIS weight truncated at the cap"),
+        ),
+        "PPO's clip acts on pi / pi_old, which is 1 at each batch's one optimizer step; stale "
+        "samples are corrected by the TIS weight min(pi_old / pi_rollout, ppo.tis_cap).",
+    ),
+    Panel(
+        "Off-policy ratio",
+        "short",
+        (
+            ("max(clawrl_trainer_ratio_mean)", "mean pi_old / pi_rollout"),
+            ("max(clawrl_trainer_ratio_max)", "max pi_old / pi_rollout"),
+        ),
+        "How much likelier the trainer's weights make each trained token than the engine that "
+        "sampled it did (1 on-policy); per step, over trained tokens.",
     ),
     Panel(
         "Policy version",
@@ -368,6 +383,8 @@ LEARNING = [
                 " / sum(rate(clawrl_trainer_sample_staleness_versions_count[$__rate_interval]))",
                 "mean",
             ),
+            ("max(clawrl_trainer_staleness_mean)", "mean of the last step"),
+            ("max(clawrl_trainer_staleness_max)", "max of the last step"),
         ),
     ),
     Panel(
