@@ -61,7 +61,8 @@ class GenerationRequest:
     """A validated /generate (or chat) request, in token ids.
 
     logprob_start_len: first prompt position whose log-prob is returned; -1 returns none
-    (SGLang's default: output log-probs only).
+    (SGLang's default: output log-probs only). lora_path: the adapter's name as the client gave
+    it (SGLang's field); lora_id: the loaded adapter it resolved to (None: the base model).
     """
 
     input_ids: list[int]
@@ -76,6 +77,8 @@ class GenerationRequest:
     no_stop_trim: bool = False
     stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    lora_path: str | None = None
+    lora_id: str | None = None
 
     @property
     def max_new_tokens(self) -> int:

@@ -18,7 +18,7 @@ from clawrl.common.models import (
     served_model_name,
     trained_context,
 )
-from clawrl.engine.settings import EngineSettings
+from clawrl.engine.settings import EngineServerSettings, EngineSettings
 
 # [sglang] fields passed as `--flag value` when set (None: SGLang decides).
 SCHEDULER_FLAGS = (
@@ -80,11 +80,26 @@ def build_argv(settings: EngineSettings, model: str | None = None) -> list[str]:
         argv += ["--reasoning-parser", sg.reasoning_parser]
     if sg.random_seed is not None:
         argv += ["--random-seed", str(sg.random_seed)]
+    argv += lora_flags(serving)
     if sg.enable_metrics:
         argv.append("--enable-metrics")
     if sg.trust_remote_code:
         argv.append("--trust-remote-code")
     return argv + list(sg.extra_args)
+
+
+def lora_flags(serving: EngineServerSettings) -> list[str]:
+    """SGLang's LoRA flags for the `[engine]` LoRA settings (none when LoRA is off)."""
+    if not serving.lora_enabled:
+        return []
+    argv = ["--enable-lora", "--max-loras-per-batch", str(serving.max_loras_per_batch)]
+    if serving.lora_paths:
+        argv += ["--lora-paths", *serving.lora_paths]
+    if serving.max_lora_rank is not None:
+        argv += ["--max-lora-rank", str(serving.max_lora_rank)]
+    if serving.lora_target_modules:
+        argv += ["--lora-target-modules", *serving.lora_target_modules]
+    return argv
 
 
 def rope_override(model: str, context_length: int, rope_type: str) -> dict | None:

@@ -25,6 +25,7 @@ class Flag:
     sglang: Target | None
     type: type = str
     switch: bool = False
+    many: bool = False  # one or more values (a list setting)
 
 
 def everywhere(section: str, field: str) -> dict[str, Target]:
@@ -63,6 +64,16 @@ FLAGS = (
     Flag("--torch-threads", "torch intra-op threads", cpu=("engine", "torch_threads"),
          sglang=None, type=int),
     Flag("--tp-size", "tensor-parallel size", cpu=None, sglang=("sglang", "tp_size"), type=int),
+    Flag("--enable-lora", "serve LoRA adapters", **everywhere("engine", "enable_lora"),
+         switch=True),
+    Flag("--lora-paths", "adapters to load at start: PATH, NAME=PATH or JSON",
+         **everywhere("engine", "lora_paths"), many=True),
+    Flag("--max-loras-per-batch", "most distinct adapters in one batch (base included)",
+         **everywhere("engine", "max_loras_per_batch"), type=int),
+    Flag("--max-lora-rank", "largest adapter rank accepted",
+         **everywhere("engine", "max_lora_rank"), type=int),
+    Flag("--lora-target-modules", "projections adapters may target (or all)",
+         **everywhere("engine", "lora_target_modules"), many=True),
 )  # fmt: skip
 
 
@@ -80,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 flag.name, action="store_true", default=None, help=f"{flag.help} ({where})"
             )
         else:
-            parser.add_argument(flag.name, type=flag.type, help=f"{flag.help} ({where})")
+            nargs = "+" if flag.many else None
+            parser.add_argument(
+                flag.name, type=flag.type, nargs=nargs, help=f"{flag.help} ({where})"
+            )
     return parser.parse_args(argv)
 
 

@@ -140,6 +140,30 @@ class EngineMetrics:
             buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192),
             registry=r,
         )
+        self.lora_adapters = Gauge(
+            "clawrl_engine_lora_adapters", "LoRA adapters loaded.", registry=r
+        )
+        self.lora_updates = Counter(
+            "clawrl_engine_lora_updates",
+            "LoRA adapter loads and unloads, by op (load, unload) and result (success, failure).",
+            ["op", "result"],
+            registry=r,
+        )
+        self.lora_load_seconds = Histogram(
+            "clawrl_engine_lora_load_seconds",
+            "Duration of a successful adapter load: reading and checking it (beside serving), "
+            "then injecting it.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        self.lora_swap_seconds = Histogram(
+            "clawrl_engine_lora_swap_seconds",
+            "Time the model thread spent adding or deleting an adapter, by op (load, unload): "
+            "the pause it puts between two decode steps.",
+            ["op"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         self.engine_errors = Counter(
             "clawrl_engine_forward_errors",
             "Forward passes that raised (their requests are aborted).",

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes of the CPU engine: /v1/models and /v1/chat/completions.
+"""OpenAI-compatible routes of the CPU engine: /v1/models and /v1/chat/completions (a LoRA
+adapter named by `lora_path` or by `model` written `base-model:adapter-name`, as in SGLang).
 
 Prompts are rendered with clawrl.common.chat.ChatRenderer (the same renderer the gateway uses),
 so the ids generated from are exactly the ones the gateway would send to /generate. Tool calls
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from clawrl.common.chat import ChatTemplateError
 from clawrl.engine.generation import GenerationState
+from clawrl.engine.lora import model_adapter
 from clawrl.engine.protocol import (
     ChatCompletionRequest,
     RequestError,
@@ -68,20 +70,25 @@ def build_router(app_state) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict:
+        """The base model, then each loaded LoRA adapter as SGLang lists it: id = its name,
+        root = its path, parent = the base model."""
         engine = app_state.engine
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": app_state.served_name,
-                    "object": "model",
-                    "created": app_state.started,
-                    "owned_by": "clawrl",
-                    "root": app_state.served_name,
-                    "max_model_len": engine.context_length,
-                }
-            ],
-        }
+
+        def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {
+                "id": model_id,
+                "object": "model",
+                "created": app_state.started,
+                "owned_by": "clawrl",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_len,
+            }
+
+        base = app_state.served_name
+        cards = [card(base, base, None, engine.context_length)]
+        cards += [card(name, path, base, None) for name, path in engine.lora.loaded().items()]
+        return {"object": "list", "data": cards}
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -91,7 +98,9 @@ def build_router(app_state) -> APIRouter:
             prompt_ids = app_state.renderer.render_ids(body.messages, body.tools)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from exc
-        gen = chat_generation_request(body, prompt_ids, app_state.limits)
+        gen = chat_generation_request(
+            body, prompt_ids, app_state.limits, model_adapter(body.model)
+        )
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or app_state.served_name

@@ -89,6 +89,9 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+    lora_path: str | list[str | None] | None = Field(
+        None, description="The LoRA adapter's name (SGLang's field; a list: one per batch item)."
+    )
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
@@ -166,6 +169,10 @@ class ChatCompletionRequest(BaseModel):
     skip_special_tokens: bool = True
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    lora_path: str | None = Field(
+        None, description="The LoRA adapter's name (SGLang's extension); `model` written "
+        "`base-model:adapter-name` names one too, and wins."
+    )
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,7 @@ def generation_request(req: GenerateRequest, tokenize, limits: Limits) -> Genera
         raise RequestError(f"top_logprobs_num must be at most {limits.vocab_size}")
     seed = params.sampling_seed if params.sampling_seed is not None else params.seed
     return GenerationRequest(
+        lora_path=_single_adapter(req.lora_path),
         input_ids=ids,
         sampling=SamplingRow(
             temperature=params.temperature,
@@ -275,11 +283,26 @@ def generation_request(req: GenerateRequest, tokenize, limits: Limits) -> Genera
     )
 
 
+def _single_adapter(lora_path: str | list[str | None] | None) -> str | None:
+    """The adapter of a single request: a name, or a one-item list (SGLang's batch form)."""
+    if isinstance(lora_path, list):
+        if len(lora_path) != 1:
+            raise RequestError(
+                f"lora_path lists {len(lora_path)} adapters for one request (batched "
+                "requests are not supported)"
+            )
+        lora_path = lora_path[0]
+    if lora_path == "":
+        raise RequestError("lora_path is empty")
+    return lora_path
+
+
 def chat_generation_request(
-    req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits
+    req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits, adapter: str | None = None
 ) -> GenerationRequest:
-    """Validate a chat completion against the model, given its rendered prompt ids. With no
-    max_tokens the answer may use the rest of the context (as SGLang's OpenAI server does)."""
+    """Validate a chat completion against the model, given its rendered prompt ids and the
+    adapter it names (`model_adapter`). With no max_tokens the answer may use the rest of the
+    context (as SGLang's OpenAI server does)."""
     if req.n != 1:
         raise RequestError("n must be 1")
     if req.frequency_penalty or req.presence_penalty:
@@ -291,6 +314,7 @@ def chat_generation_request(
     room = limits.context_length - len(prompt_ids)
     max_new = _max_new_tokens(requested, len(prompt_ids), limits, room)
     return GenerationRequest(
+        lora_path=adapter or _single_adapter(req.lora_path),
         input_ids=prompt_ids,
         sampling=SamplingRow(
             temperature=req.temperature,

@@ -5,15 +5,28 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, Section
+
+# Projections an adapter may target (SGLang's SUPPORTED_LORA_TARGET_MODULES for dense models).
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 
 
 class EngineServerSettings(Section):
     """The engine's HTTP server and the CPU engine's scheduler (section `[engine]`). With
-    backend `sglang` only host, port, backend and weight_version are used; SGLang's own
-    scheduler is configured in `[sglang]`."""
+    backend `sglang` only host, port, backend, weight_version and the LoRA settings are used;
+    SGLang's own scheduler is configured in `[sglang]`."""
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30010, gt=0, lt=65536, description="Port the HTTP server listens on.")
@@ -93,6 +106,63 @@ class EngineServerSettings(Section):
     health_generate_timeout_s: float = Field(
         30.0, gt=0, description="Time /health_generate waits for its 1-token generation."
     )
+    # LoRA serving, with SGLang's names and rules (both backends read these).
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters beside the base model (SGLang's --enable-lora; implied "
+        "by lora_paths). Off: no adapter code runs at all.",
+    )
+    lora_paths: list[str] = Field(
+        default_factory=list,
+        description="Adapters loaded at start, each `PATH`, `NAME=PATH` or JSON "
+        '`{"lora_name": ..., "lora_path": ..., "pinned": ...}` (SGLang\'s --lora-paths).',
+    )
+    max_loras_per_batch: int = Field(
+        8,
+        gt=0,
+        description="Most distinct adapters (the base model counting as one) in one running "
+        "batch; a request that would exceed it waits (SGLang's --max-loras-per-batch).",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        gt=0,
+        description="Largest adapter rank accepted; None: the largest rank of lora_paths "
+        "(SGLang's --max-lora-rank).",
+    )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="Projections adapters may target (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, or `all`); None: those of "
+        "lora_paths (SGLang's --lora-target-modules).",
+    )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA serving is on: asked for, or implied by adapters to load at start."""
+        return self.enable_lora or bool(self.lora_paths)
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineServerSettings:
+        modules = self.lora_target_modules
+        if modules is not None:
+            unknown = sorted(set(modules) - set(LORA_TARGET_MODULES) - {"all"})
+            if unknown:
+                raise ValueError(
+                    f"lora_target_modules {unknown} are not supported; choose from "
+                    f"{', '.join(LORA_TARGET_MODULES)} or all"
+                )
+            if "all" in modules and len(modules) > 1:
+                raise ValueError(
+                    "If 'all' is specified in --lora-target-modules, it should be the only "
+                    "module specified."
+                )
+        if self.lora_enabled and not self.lora_paths:
+            if self.max_lora_rank is None or not modules:
+                raise ValueError(
+                    "When no initial --lora-paths is provided, you need to specify both "
+                    "--max-lora-rank and --lora-target-modules for LoRA initialization."
+                )
+        return self
 
 
 class SGLangSettings(Section):

@@ -1,22 +1,33 @@
 """The CPU engine as the asyncio side sees it: load the model, submit generations and stream
-their state, swap weights, pause and resume. Torch work happens on the scheduler's thread or
-in worker threads, never on the event loop."""
+their state, swap weights, load and unload LoRA adapters, pause and resume. Torch work happens
+on the scheduler's thread or in worker threads, never on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.process_groups import join_group, receive_broadcast
 from clawrl.common.settings import ModelSettings
+from clawrl.engine.cpu.adapters import PreparedAdapter, prepare_adapter
 from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, read_checkpoint
 from clawrl.engine.cpu.scheduler import Scheduler, Sequence
 from clawrl.engine.generation import GenerationRequest, GenerationState, GenerationUpdate
+from clawrl.engine.lora import (
+    LoraError,
+    LoraRef,
+    LoraRegistry,
+    normalized_modules,
+    not_enabled,
+    parse_lora_path,
+)
 from clawrl.engine.metrics import EngineMetrics
 from clawrl.engine.settings import EngineSettings
 
@@ -35,6 +46,15 @@ class UpdateResult:
     num_paused_requests: int = 0
 
 
+@dataclass(frozen=True)
+class LoraUpdate:
+    """Reply of /load_lora_adapter and /unload_lora_adapter (SGLang's LoRAUpdateOutput)."""
+
+    success: bool
+    error_message: str
+    loaded_adapters: dict[str, str]
+
+
 class CpuEngine:
     """One model served with iteration-level batching. Build with `await CpuEngine.load(...)`."""
 
@@ -49,16 +69,23 @@ class CpuEngine:
         self.tokenizer = None
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
+        self.lora = LoraRegistry()
+        self._lora_lock = asyncio.Lock()  # loads and unloads one at a time, as in SGLang
+        self.max_lora_rank = 0  # what a loaded adapter may have (set at load)
+        self.lora_modules: set[str] = set()
 
     @classmethod
     async def load(cls, settings: EngineSettings, metrics: EngineMetrics) -> CpuEngine:
         engine = cls(settings, metrics)
-        await asyncio.to_thread(engine._load)
+        initial = await asyncio.to_thread(engine._load)
+        for ref in initial:
+            engine.lora.register(ref)
+        metrics.lora_adapters.set(len(engine.lora))
         assert engine.scheduler is not None
         engine.scheduler.start()
         return engine
 
-    def _load(self) -> None:
+    def _load(self) -> list[LoraRef]:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -76,6 +103,47 @@ class CpuEngine:
             self.model_dir,
             self.runner.vocab_size,
             self.context_length,
+        )
+        return self._load_initial_adapters() if serving.lora_enabled else []
+
+    def _load_initial_adapters(self) -> list[LoraRef]:
+        """--lora-paths, injected before serving starts; the rank and target-module limits for
+        later loads default to what these adapters need (SGLang infers them the same way)."""
+        assert self.runner is not None
+        serving = self.settings.engine
+        explicit_modules = serving.lora_target_modules
+        self.max_lora_rank = serving.max_lora_rank or 0
+        self.lora_modules = normalized_modules(explicit_modules or [])
+        refs = []
+        for spec in serving.lora_paths:
+            name, path, pinned = parse_lora_path(spec)
+            if any(ref.name == name for ref in refs):
+                raise LoraError(f"--lora-paths names adapter {name} twice")
+            adapter = self._prepare(
+                name,
+                path,
+                serving.max_lora_rank or 1 << 30,
+                self.lora_modules if explicit_modules else normalized_modules(["all"]),
+            )
+            ref = LoraRef(name, path, pinned)
+            self.runner.add_adapter(ref.key, adapter)
+            self.max_lora_rank = max(self.max_lora_rank, adapter.rank)
+            if not explicit_modules:
+                self.lora_modules |= normalized_modules(adapter.modules)
+            refs.append(ref)
+            log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
+        return refs
+
+    def _prepare(self, name: str, path: str, max_rank: int, modules: set[str]) -> PreparedAdapter:
+        assert self.runner is not None
+        return prepare_adapter(
+            name,
+            path,
+            self.runner.decoder,
+            self.runner.decoder_prefix,
+            max_rank=max_rank,
+            allowed_modules=modules,
+            dtype=self.runner.dtype,
         )
 
     async def close(self) -> None:
@@ -135,19 +203,52 @@ class CpuEngine:
         assert self.scheduler is not None
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[GenerationUpdate] = asyncio.Queue()
+        request, release = self._take_adapter(request)
 
         def emit(update: GenerationUpdate) -> None:
             try:
                 loop.call_soon_threadsafe(updates.put_nowait, update)
+                if update.finish is not None:
+                    # Here too, not only when the iterator closes: a stream whose response
+                    # never started would otherwise hold its adapter forever.
+                    loop.call_soon_threadsafe(release)
             except RuntimeError:  # the loop is closed: the server is shutting down
                 pass
 
-        seq = self.scheduler.submit(request, emit)
-        return self._follow(seq, updates, GenerationState(request))
+        try:
+            seq = self.scheduler.submit(request, emit)
+        except BaseException:
+            release()
+            raise
+        return self._follow(seq, updates, GenerationState(request), release)
+
+    def _take_adapter(
+        self, request: GenerationRequest
+    ) -> tuple[GenerationRequest, Callable[[], None]]:
+        """The request bound to its loaded adapter (counted as using it until `release`,
+        which may be called more than once); raises LoraError when the name is not loaded."""
+        name = request.lora_path
+        if name is None:
+            return request, lambda: None
+        if not self.settings.engine.lora_enabled:
+            raise not_enabled(name)
+        ref = self.lora.acquire(name)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.lora.release(ref)
+
+        return dataclasses.replace(request, lora_id=ref.key), release
 
     @staticmethod
     async def _follow(
-        seq: Sequence, updates: asyncio.Queue[GenerationUpdate], state: GenerationState
+        seq: Sequence,
+        updates: asyncio.Queue[GenerationUpdate],
+        state: GenerationState,
+        release: Callable[[], None],
     ) -> AsyncIterator[GenerationState]:
         try:
             while not state.finished:
@@ -158,6 +259,7 @@ class CpuEngine:
         finally:
             if not state.finished:
                 seq.abort("client_gone")
+            release()
 
     async def generate_once(self, request: GenerationRequest) -> GenerationState:
         """Run a request to its end and return the finished state."""
@@ -272,6 +374,84 @@ class CpuEngine:
         self.metrics.weight_updates.labels(result="failure").inc()
         log.warning("weight update failed: %s", message)
         return UpdateResult(False, message)
+
+    # ----- LoRA adapters -------------------------------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> LoraUpdate:
+        """Read and check the adapter in a worker thread while serving goes on, inject it on the
+        model thread between two steps, then let requests name it."""
+        assert self.scheduler is not None
+        if not self.settings.engine.lora_enabled:
+            return self._lora_failed("load", "LoRA is not enabled. Please set `--enable-lora` "
+                                     "to enable LoRA.")  # fmt: skip
+        async with self._lora_lock:
+            start = time.perf_counter()
+            if name in self.lora:
+                return self._lora_failed(
+                    "load", f"Failed to load LoRA adapter {name} because it is already loaded"
+                )
+            if pinned and self._pinned() >= self.settings.engine.max_loras_per_batch - 1:
+                return self._lora_failed(
+                    "load",
+                    f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed "
+                    "to pin all slots in the LoRA memory pool to avoid starvation for unpinned "
+                    "adapters and base models. Please increase your `--max-loras-per-batch` or "
+                    "load it as unpinned LoRA adapters.",
+                )
+            try:
+                adapter = await asyncio.to_thread(
+                    self._prepare, name, path, self.max_lora_rank, self.lora_modules
+                )
+            except LoraError as exc:
+                return self._lora_failed("load", str(exc))
+            ref = LoraRef(name, path, pinned)
+            scheduler = self.scheduler
+            try:
+                await asyncio.wrap_future(
+                    scheduler.call(lambda: scheduler.add_adapter(ref.key, adapter))
+                )
+            except Exception as exc:  # peft refused what the checks let through
+                log.exception("injecting LoRA adapter %s failed", name)
+                return self._lora_failed("load", f"Failed to load LoRA adapter {name}: {exc}")
+            self.lora.register(ref)
+            elapsed = time.perf_counter() - start
+        self.metrics.lora_load_seconds.observe(elapsed)
+        log.info("LoRA adapter %s loaded from %s in %.2f s", name, path, elapsed)
+        return self._lora_done("load")
+
+    async def unload_lora_adapter(self, name: str) -> LoraUpdate:
+        """Refuse new requests for `name` at once, wait until the requests using it (running or
+        queued) have ended, then delete it and its cached KV (SGLang's order)."""
+        assert self.scheduler is not None
+        if not self.settings.engine.lora_enabled:
+            return self._lora_failed("unload", "LoRA is not enabled. Please set `--enable-lora` "
+                                     "to enable LoRA.")  # fmt: skip
+        async with self._lora_lock:
+            try:
+                ref = self.lora.unregister(name)
+            except LoraError as exc:
+                return self._lora_failed("unload", str(exc))
+            users = self.lora.users(ref)
+            if users:
+                log.info("unloading LoRA adapter %s once its %d requests end", name, users)
+            await self.lora.wait_unused(ref)
+            scheduler = self.scheduler
+            await asyncio.wrap_future(scheduler.call(lambda: scheduler.remove_adapter(ref.key)))
+        log.info("LoRA adapter %s unloaded", name)
+        return self._lora_done("unload")
+
+    def _pinned(self) -> int:
+        return sum(ref.pinned for ref in self.lora.refs())
+
+    def _lora_done(self, op: str) -> LoraUpdate:
+        self.metrics.lora_updates.labels(op=op, result="success").inc()
+        self.metrics.lora_adapters.set(len(self.lora))
+        return LoraUpdate(True, "", self.lora.loaded())
+
+    def _lora_failed(self, op: str, message: str) -> LoraUpdate:
+        self.metrics.lora_updates.labels(op=op, result="failure").inc()
+        log.warning("LoRA %s failed: %s", op, message)
+        return LoraUpdate(False, message, self.lora.loaded())
 
     async def pause(self, mode: str) -> None:
         assert self.scheduler is not None

@@ -6,6 +6,10 @@ request that shares a prefix with an earlier one gets that prefix's KV and prefi
 rest. Only the model thread touches a PrefixCache. Tensors handed out are concatenated copies,
 so a running sequence never shares storage with the tree, and eviction never touches a running
 request.
+
+KV depends on the weights that computed it, so each LoRA adapter (by its per-load key; None for
+the base model) has a tree of its own: the same prompt under two adapters never shares KV, and
+an unloaded adapter's tree is dropped whole.
 """
 
 from __future__ import annotations
@@ -53,13 +57,22 @@ class PrefixCache:
 
     def __init__(self, budget_tokens: int):
         self.budget_tokens = budget_tokens
-        self._root = _Node(ids=(), kv=[], parent=None)
+        self._roots: dict[str | None, _Node] = {}  # by adapter key (None: base model)
         self._clock = itertools.count(1)
         self.tokens = 0
 
-    def match(self, ids: list[int], limit: int) -> tuple[int, LayerKV | None]:
-        """The longest cached prefix of `ids[:limit]`: its length and its KV (a copy)."""
-        node, matched, parts = self._root, 0, []
+    def _root(self, adapter: str | None) -> _Node:
+        root = self._roots.get(adapter)
+        if root is None:
+            root = self._roots[adapter] = _Node(ids=(), kv=[], parent=None)
+        return root
+
+    def match(
+        self, ids: list[int], limit: int, adapter: str | None = None
+    ) -> tuple[int, LayerKV | None]:
+        """The longest prefix of `ids[:limit]` cached under `adapter`: its length and its KV
+        (a copy)."""
+        node, matched, parts = self._root(adapter), 0, []
         now = next(self._clock)
         while matched < limit:
             child = node.children.get(ids[matched])
@@ -76,10 +89,11 @@ class PrefixCache:
             return 0, None
         return matched, concat_kv(parts)
 
-    def insert(self, ids: list[int], kv: LayerKV) -> int:
-        """Keep the KV of `ids` (kv covers exactly these tokens); only the part not cached yet
-        is copied. Returns how many tokens were added. Evicts to stay within the budget."""
-        node, at = self._root, 0
+    def insert(self, ids: list[int], kv: LayerKV, adapter: str | None = None) -> int:
+        """Keep the KV of `ids` computed under `adapter` (kv covers exactly these tokens); only
+        the part not cached yet is copied. Returns how many tokens were added. Evicts to stay
+        within the budget."""
+        node, at = self._root(adapter), 0
         now = next(self._clock)
         while at < len(ids):
             child = node.children.get(ids[at])
@@ -101,7 +115,16 @@ class PrefixCache:
     def flush(self) -> int:
         """Drop everything; returns the number of tokens dropped."""
         dropped, self.tokens = self.tokens, 0
-        self._root.children.clear()
+        self._roots.clear()
+        return dropped
+
+    def drop(self, adapter: str | None) -> int:
+        """Drop the tree of one adapter; returns the number of tokens dropped."""
+        root = self._roots.pop(adapter, None)
+        if root is None:
+            return 0
+        dropped = sum(len(node.ids) for node in _nodes(root))
+        self.tokens -= dropped
         return dropped
 
     def _split(self, node: _Node, at: int) -> _Node:
@@ -128,13 +151,19 @@ class PrefixCache:
             self.tokens -= len(victim.ids)
 
     def _leaves(self):
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                yield node
+        for root in self._roots.values():
+            for node in _nodes(root):
+                if not node.children:
+                    yield node
+
+
+def _nodes(root: _Node):
+    """Every node below `root`."""
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        yield node
 
 
 def _common_length(run: tuple[int, ...], ids: list[int], start: int, limit: int) -> int:

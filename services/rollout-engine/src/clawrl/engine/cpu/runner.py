@@ -1,6 +1,12 @@
 """The model and its forward passes: batched prefill, batched decode over a left-padded KV
-cache, prompt log-probs, and in-place weight swaps. Only the scheduler thread calls into a
-ModelRunner (torch is not re-entrant across our batch state)."""
+cache, prompt log-probs, in-place weight swaps, and LoRA adapters. Only the scheduler thread
+calls into a ModelRunner (torch is not re-entrant across our batch state).
+
+LoRA: the first adapter wraps the decoder in a peft model (`PeftModel`, adapters injected
+in place, so the decoder's own modules now carry them); every forward pass then goes through
+peft with `adapter_names`, one per row ("__base__" for the base model), which is peft's
+mixed-batch inference: each row gets exactly its own adapter. Until an adapter is loaded (and
+with LoRA off) the decoder runs bare, as before."""
 
 from __future__ import annotations
 
@@ -13,12 +19,15 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from clawrl.common.models import stretch_config
+from clawrl.engine.cpu.adapters import PreparedAdapter
 from clawrl.engine.cpu.prefix_cache import LayerKV
 from clawrl.engine.cpu.sampling import token_logprobs
 
 # Positions whose full-vocabulary log-softmax is computed at once for prompt log-probs
 # (a [chunk, V] float tensor: 512 x 49152 x 4 B ~ 100 MB).
 PROMPT_LOGPROB_CHUNK = 512
+# peft's name for "no adapter" in a mixed batch.
+BASE = "__base__"
 
 TopLogprobs = list[tuple[float, int]]
 
@@ -139,14 +148,70 @@ class ModelRunner:
         # Names that alias another tensor (tied lm_head): a checkpoint may omit them.
         self._aliases = {name for name in self._state if name not in params}
         self.shapes = {name: tuple(t.shape) for name, t in self._state.items()}
+        # The decoder's attribute in the causal LM ("model" for Llama): adapters are saved
+        # with keys rooted at the causal LM.
+        self.decoder_prefix = next(n for n, m in model.named_children() if m is self.decoder)
+        self._peft = None  # PeftModel around the decoder once an adapter is loaded
+        self.adapters: set[str] = set()  # keys of the loaded adapters
+
+    # ----- LoRA adapters --------------------------------------------------------------------
+
+    def add_adapter(self, key: str, adapter: PreparedAdapter) -> None:
+        """Inject a checked adapter as `key` (the model thread's quick step of a load)."""
+        from peft import PeftModel, set_peft_model_state_dict
+
+        first = self._peft is None
+        try:
+            if first:
+                self._peft = PeftModel(
+                    self.decoder, adapter.config, adapter_name=key, low_cpu_mem_usage=True
+                )
+            else:
+                self._peft.add_adapter(key, adapter.config, low_cpu_mem_usage=True)
+            result = set_peft_model_state_dict(
+                self._peft, adapter.weights, adapter_name=key, low_cpu_mem_usage=True
+            )
+            wrong = [k for k in result.unexpected_keys if key in k or "lora_" in k]
+            if wrong:
+                raise ValueError(f"peft did not take tensors {wrong[:3]}")
+            self._peft.eval()
+        except Exception:
+            self._drop(key, first)
+            raise
+        self.adapters.add(key)
+
+    def remove_adapter(self, key: str) -> None:
+        """Delete an adapter; with the last one gone the decoder is bare again."""
+        self.adapters.discard(key)
+        self._drop(key, not self.adapters)
+
+    def _drop(self, key: str, last: bool) -> None:
+        if self._peft is None:
+            return
+        if last:
+            # peft's unload() puts the original Linear modules (the same tensors) back.
+            self._peft.unload()
+            self._peft = None
+        elif key in self._peft.peft_config:
+            self._peft.delete_adapter(key)
+
+    def _forward(self, adapters: list[str | None], **inputs):
+        if not self.adapters:
+            return self.decoder(**inputs)
+        names = [BASE if a is None else a for a in adapters]
+        return self._peft(**inputs, adapter_names=names)
 
     # ----- forward passes -------------------------------------------------------------------
 
     def extend(
-        self, cache: DynamicCache | LayerKV | None, past: int, ids: list[int]
+        self,
+        cache: DynamicCache | LayerKV | None,
+        past: int,
+        ids: list[int],
+        adapter: str | None = None,
     ) -> ExtendResult:
         """Feed one sequence's next tokens after `past` cached ones (a prefix from the prefix
-        cache, earlier chunks of its prompt, or nothing)."""
+        cache, earlier chunks of its prompt, or nothing), through its adapter (None: base)."""
         if not isinstance(cache, DynamicCache):
             prefix = cache
             cache = DynamicCache(config=self.config)
@@ -155,7 +220,8 @@ class ModelRunner:
         tokens = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(past, past + len(ids)).unsqueeze(0)
         mask = torch.ones(1, past + len(ids), dtype=torch.long)
-        out = self.decoder(
+        out = self._forward(
+            [adapter],
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
@@ -165,11 +231,15 @@ class ModelRunner:
         hidden = out.last_hidden_state[0]
         return ExtendResult(hidden, self.lm_head(hidden[-1]).float(), out.cache)
 
-    def decode(self, kv: KvBatch, token_ids: torch.Tensor) -> torch.Tensor:
-        """Append one token per row and return the next-token logits. token_ids: [B] -> [B, V]."""
+    def decode(
+        self, kv: KvBatch, token_ids: torch.Tensor, adapters: list[str | None] | None = None
+    ) -> torch.Tensor:
+        """Append one token per row and return the next-token logits. token_ids: [B] -> [B, V];
+        adapters: each row's adapter (None: base)."""
         positions = kv.mask.sum(dim=-1, keepdim=True)
         mask = torch.cat([kv.mask, torch.ones(kv.size, 1, dtype=kv.mask.dtype)], dim=-1)
-        out = self.decoder(
+        out = self._forward(
+            adapters or [None] * kv.size,
             input_ids=token_ids.unsqueeze(-1),
             attention_mask=mask,
             position_ids=positions,

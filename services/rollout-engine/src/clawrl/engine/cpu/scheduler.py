@@ -12,6 +12,11 @@ queue meanwhile), so every token of a sequence comes from one version; when gene
 paused, the running requests are retracted instead (their KV dropped) and re-prefilled with
 the new weights on resume. A request reports the version that produced its tokens.
 
+LoRA: each sequence runs through its own adapter (or the base model) inside one mixed batch;
+a batch holds at most max_loras_per_batch distinct adapters (the base model counting as one), a
+request that would exceed it waits while later ones that fit are admitted (as SGLang does).
+Adapters are swapped in and out between two steps (`add_adapter`, `remove_adapter`).
+
 The asyncio side never touches torch: it submits requests and commands through thread-safe
 queues and receives GenerationUpdates through each sequence's `emit` callback (which hops onto
 the event loop with call_soon_threadsafe).
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from clawrl.engine.cpu.adapters import PreparedAdapter
 from clawrl.engine.cpu.detokenizer import IncrementalDetokenizer
 from clawrl.engine.cpu.prefix_cache import LayerKV, PrefixCache
 from clawrl.engine.cpu.runner import KvBatch, ModelRunner, layer_kv, merge_kv, select_kv
@@ -83,6 +89,7 @@ class Sequence:
         self.stop_scanned = 0  # characters of detok.text already searched for stop strings
         self.weight_version = ""
         self.cached_tokens: int | None = None  # set at the first prefill
+        self.adapter = request.lora_id  # LoRA adapter key; None: the base model
         # Prefill state: the tokens to put in the KV (the prompt, plus the output so far when
         # a retracted sequence comes back), how many are in already, and that KV.
         self.feed: list[int] = list(request.input_ids)
@@ -226,6 +233,25 @@ class Scheduler:
     def resume(self) -> None:
         self._paused = False
 
+    def add_adapter(self, key: str, adapter: PreparedAdapter) -> None:
+        """Inject a checked adapter (run through `call`: between two steps)."""
+        start = time.perf_counter()
+        self.runner.add_adapter(key, adapter)
+        self.metrics.lora_swap_seconds.labels(op="load").observe(time.perf_counter() - start)
+
+    def remove_adapter(self, key: str) -> None:
+        """Delete an adapter and its cached KV (run through `call`). Its requests have ended
+        (the registry waited for them); an aborted one may still sit in the batch until this
+        step drops it, so drop it first."""
+        start = time.perf_counter()
+        self._drop_aborted()
+        self.runner.remove_adapter(key)
+        self.metrics.lora_swap_seconds.labels(op="unload").observe(time.perf_counter() - start)
+        if self.prefix_cache is not None:
+            dropped = self.prefix_cache.drop(key)
+            log.info("dropped %d cached tokens of adapter %s", dropped, key)
+        self._update_gauges()
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run or wait, as in SGLang."""
         if self._running or self._prefilling or self._waiting:
@@ -322,12 +348,16 @@ class Scheduler:
         s = self.settings
         used = self._kv_in_use()
         round_tokens = 0
+        adapters = {seq.adapter for seq in self._running + self._prefilling}
+        held_back: list[Sequence] = []  # their adapter would exceed max_loras_per_batch
         with self._lock:
             while self._waiting and self.num_running < s.max_running_requests:
-                seq = self._waiting[0]
+                seq = self._waiting.popleft()
                 if seq.aborted:
-                    self._waiting.popleft()
                     self._count_abort(seq)
+                    continue
+                if seq.adapter not in adapters and len(adapters) >= s.max_loras_per_batch:
+                    held_back.append(seq)
                     continue
                 need = len(seq.feed) + 1
                 alone = not self._running and not self._prefilling
@@ -335,11 +365,13 @@ class Scheduler:
                     round_tokens == 0 or round_tokens + need <= s.max_prefill_tokens
                 )
                 if not (fits or alone):
+                    self._waiting.appendleft(seq)
                     break
-                self._waiting.popleft()
                 used += need
                 round_tokens += need
+                adapters.add(seq.adapter)
                 self._start_prefill(seq)
+            self._waiting.extendleft(reversed(held_back))
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Take the longest cached prefix (never the last token: its logits are needed, nor
@@ -350,7 +382,7 @@ class Scheduler:
             limit = min(limit, max(seq.request.logprob_start_len - 1, 0))
         matched = 0
         if self.prefix_cache is not None and limit > 0:
-            matched, kv = self.prefix_cache.match(seq.feed, limit)
+            matched, kv = self.prefix_cache.match(seq.feed, limit, seq.adapter)
             if matched:
                 seq.cache, seq.fed = kv, matched
         if seq.cached_tokens is None:
@@ -372,7 +404,9 @@ class Scheduler:
             budget -= n
             worked = True
             try:
-                result = self.runner.extend(seq.cache, seq.fed, seq.feed[seq.fed : seq.fed + n])
+                result = self.runner.extend(
+                    seq.cache, seq.fed, seq.feed[seq.fed : seq.fed + n], seq.adapter
+                )
                 if seq.wants_input_logprobs:
                     self._input_logprobs(seq, result.hidden)
             except Exception:
@@ -421,7 +455,7 @@ class Scheduler:
         """A sequence's whole prompt is in its KV: cache it, sample its first token, and join
         the running batch."""
         prefix = layer_kv(seq.cache)
-        self._cache_insert(seq.feed, prefix)
+        self._cache_insert(seq.feed, prefix, seq.adapter)
         if seq.request.max_new_tokens == 0:  # prompt log-probs only (the teacher path)
             update = self._first_update(seq)
             self._finish(seq, GenerationUpdate(**update, finish=length_reason(0)))
@@ -474,7 +508,8 @@ class Scheduler:
         if len(self._running) > self._max_batch:
             self._max_batch = len(self._running)
             self.metrics.max_decode_batch_size.set(self._max_batch)
-        logits = self.runner.decode(self._kv, self._pending)
+        adapters = [seq.adapter for seq in self._running]
+        logits = self.runner.decode(self._kv, self._pending, adapters)
         next_ids = self._sample(self._running, logits)
         kv = self._kv
 
@@ -552,7 +587,7 @@ class Scheduler:
                 **self._first_update(seq),
             )
             if finish is not None:
-                self._cache_insert(*kv_of(i))
+                self._cache_insert(*kv_of(i), seq.adapter)
                 self._finish(seq, update)
             else:
                 seq.emit(update)
@@ -593,9 +628,11 @@ class Scheduler:
         seq.text_sent = max(seq.text_sent, end)
         return new, finish
 
-    def _cache_insert(self, ids: list[int], kv: LayerKV) -> None:
-        if self.prefix_cache is not None and ids:
-            self.prefix_cache.insert(ids, kv)
+    def _cache_insert(self, ids: list[int], kv: LayerKV, adapter: str | None) -> None:
+        # Never under an adapter already removed (an aborted request's last chunks).
+        known = adapter is None or adapter in self.runner.adapters
+        if self.prefix_cache is not None and ids and known:
+            self.prefix_cache.insert(ids, kv, adapter)
 
     def _finish(self, seq: Sequence, update: GenerationUpdate) -> None:
         self.metrics.num_requests.inc()
@@ -635,7 +672,7 @@ class Scheduler:
         a cold 13k-token prompt can outlast one on CPU) resumes the prefill instead of
         starting over."""
         if isinstance(seq.cache, DynamicCache) and seq.fed > 0:
-            self._cache_insert(seq.feed[: seq.fed], layer_kv(seq.cache))
+            self._cache_insert(seq.feed[: seq.fed], layer_kv(seq.cache), seq.adapter)
 
     def _count_abort(self, seq: Sequence) -> None:
         self.metrics.aborted_requests.labels(reason=seq.aborted or "client_gone").inc()
