@@ -10,7 +10,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
-from clawrl.common.records import Turn
+from clawrl.common.records import Turn, encode_entry
 from clawrl.common.streams import GroupConsumer, publish, trim_acknowledged
 from clawrl.common.versions import VersionReady, announce, latest
 
@@ -149,3 +149,62 @@ async def test_a_restarted_consumer_reads_its_own_pending_entries_first(redis: R
     assert [e.record_id for e in await again.read_own_pending(10)] == ["s:1"]
     assert [e.record_id for e in await again.read(10, block_ms=10)] == ["s:2"]
     assert await consumer(redis, stream, "other").read_own_pending(10) == []
+
+
+async def test_delivery_counts_are_read_by_numeric_entry_id(redis: Redis) -> None:
+    # Ids 1-0 .. 1-11: as strings "1-10" < "1-9", which once cut the entries after 1-9 out of
+    # the XPENDING range, so they counted as first deliveries and were never dead-lettered.
+    stream = f"t:{uuid.uuid4().hex}"
+    first, second, third = (
+        consumer(redis, stream, name, claim_idle_ms=20, max_deliveries=2) for name in "abc"
+    )
+    await first.ensure_group()
+    for i in range(12):
+        turn = Turn(turn_id=f"s:{i}", session_id="s", turn_index=i)
+        await redis.xadd(stream, encode_entry(turn), id=f"1-{i}")
+    assert len(await first.read(12, block_ms=10)) == 12  # first delivery, never acknowledged
+    await asyncio.sleep(0.05)
+    taken = await second.read(12, block_ms=10)
+    assert [e.deliveries for e in taken] == [2] * 12
+    await asyncio.sleep(0.05)
+    assert await third.read(12, block_ms=10) == []  # third delivery: all dead-lettered
+    dead = await redis.xrange(f"{stream}:dead")
+    assert [fields[b"source_entry"] for _, fields in dead] == [f"1-{i}".encode() for i in range(12)]
+    assert all(b"delivered 3 times" in fields[b"reason"] for _, fields in dead)
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+
+
+async def test_a_consumer_never_claims_what_it_still_holds(redis: Redis) -> None:
+    stream = f"t:{uuid.uuid4().hex}"
+    c = consumer(redis, stream, "c", claim_idle_ms=20, max_deliveries=2)
+    await c.ensure_group()
+    await fill(redis, stream, 1)
+    [held] = await c.read(1, block_ms=10)
+    for _ in range(4):  # held far past claim_idle_ms (a half-filled batch, a long step)
+        await asyncio.sleep(0.05)
+        assert await c.read(1, block_ms=10) == []
+    [row] = await redis.xpending_range(stream, "g", min="-", max="+", count=10)
+    assert row["times_delivered"] == 1
+    assert await redis.xlen(f"{stream}:dead") == 0
+    # Released (its work failed), it is taken over once idle, as its second delivery.
+    c.release(held.entry_id)
+    await asyncio.sleep(0.05)
+    [again] = await c.read(1, block_ms=10)
+    assert (again.entry_id, again.deliveries) == (held.entry_id, 2)
+    # A live consumer's entries are not another's to take while they are fresh; a dead one's are.
+    other = consumer(redis, stream, "other", claim_idle_ms=20)
+    assert await other.read(1, block_ms=10) == []
+    await asyncio.sleep(0.05)
+    [taken] = await other.read(1, block_ms=10)
+    assert (taken.entry_id, taken.deliveries) == (held.entry_id, 3)
+
+
+async def test_claiming_pages_past_held_entries(redis: Redis) -> None:
+    stream = f"t:{uuid.uuid4().hex}"
+    c = consumer(redis, stream, "c", claim_idle_ms=20)
+    await c.ensure_group()
+    await fill(redis, stream, 5)
+    entries = await c.read(5, block_ms=10)
+    c.release(entries[3].entry_id, entries[4].entry_id)  # the first three stay held
+    await asyncio.sleep(0.05)
+    assert [e.record_id for e in await c.claim(2)] == ["s:3", "s:4"]

@@ -2,9 +2,11 @@
 
 Entries carry `{id, type, data}` (see records.py). Delivery to a consumer group is
 at-least-once: a consumer XACKs an entry only once its work is durable, so a consumer that dies
-leaves its entries pending, and a live one takes them over with XAUTOCLAIM after `claim_idle_ms`.
-Consumers therefore deduplicate on the record `id`. An entry delivered `max_deliveries` times
-without being acknowledged (a poison entry) goes to the dead-letter stream with its reason.
+leaves its entries pending, and a live one takes them over (XCLAIM) once they are idle for
+`claim_idle_ms`. Consumers therefore deduplicate on the record `id`. A consumer never takes over
+what it still holds itself (read and neither acknowledged nor released), however long it holds
+it. An entry delivered more than `max_deliveries` times without being acknowledged (a poison
+entry) goes to the dead-letter stream with its reason.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ class GroupConsumer:
         self.max_deliveries = max_deliveries
         self.claim_idle_ms = claim_idle_ms
         self.deadletter_maxlen = deadletter_maxlen
-        self._claim_cursor = "0-0"
+        # Entries handed out and not yet acknowledged, dead-lettered or released: never claimed
+        # back from ourselves (each claim would count as one more delivery).
+        self.holding: set[str] = set()
 
     async def ensure_group(self) -> None:
         """Create the group (reading from the stream's start) unless it exists."""
@@ -80,8 +84,9 @@ class GroupConsumer:
                 raise
 
     async def read(self, count: int, block_ms: int = 1000) -> list[Entry]:
-        """Up to `count` entries: first those of dead consumers idle past `claim_idle_ms`, then
-        new ones (blocking up to `block_ms` when there are none)."""
+        """Up to `count` entries: first those idle past `claim_idle_ms` that this consumer does
+        not hold (a dead consumer's, or released ones), then new ones (blocking up to `block_ms`
+        when there are none). The caller holds them until it acks, dead-letters or releases."""
         entries = await self.claim(count)
         if len(entries) < count:
             reply = await self.redis.xreadgroup(
@@ -93,6 +98,7 @@ class GroupConsumer:
             )
             for _stream, items in reply or []:
                 entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
+        self.holding.update(entry.entry_id for entry in entries)
         return entries
 
     async def read_own_pending(self, count: int) -> list[Entry]:
@@ -111,30 +117,32 @@ class GroupConsumer:
             cursor = _text(items[-1][0])
             entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
             await self.ack(*[_text(eid) for eid, fields in items if not fields])
+        self.holding.update(entry.entry_id for entry in entries)
         return entries
 
     async def claim(self, count: int) -> list[Entry]:
-        """XAUTOCLAIM entries pending on other consumers for longer than `claim_idle_ms`.
-        Entries claimed more than `max_deliveries` times are dead-lettered here, not returned."""
-        reply = await self.redis.xautoclaim(
+        """Take over up to `count` entries pending for longer than `claim_idle_ms` that this
+        consumer does not hold. XCLAIM re-checks the idle time, so of two consumers racing for
+        an entry only one gets it. Entries then delivered more than `max_deliveries` times are
+        dead-lettered here, not returned. (Entries trimmed from the stream while pending leave
+        the pending list in the XCLAIM: Redis >= 7.)"""
+        deliveries = await self._idle_pending(count)
+        if not deliveries:
+            return []
+        reply = await self.redis.xclaim(
             self.stream,
             self.group,
             self.consumer,
             min_idle_time=self.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=count,
+            message_ids=list(deliveries),
         )
-        self._claim_cursor = _text(reply[0])
-        claimed = [(_text(eid), fields) for eid, fields in reply[1] if fields]
-        if len(reply) > 2 and reply[2]:
-            # Entries trimmed from the stream while pending: nothing left to process.
-            await self.redis.xack(self.stream, self.group, *reply[2])
-        if not claimed:
-            return []
-        counts = await self.delivery_counts([eid for eid, _ in claimed])
         entries = []
-        for eid, fields in claimed:
-            entry = Entry(eid, fields, counts.get(eid, 1))
+        for eid, fields in reply:
+            if not fields:
+                continue
+            # XCLAIM counted one more delivery than the XPENDING row said.
+            entry = Entry(_text(eid), fields, deliveries[_text(eid)] + 1)
+            self.holding.add(entry.entry_id)
             if entry.deliveries > self.max_deliveries:
                 await self.dead_letter(
                     entry, f"delivered {entry.deliveries} times without being acknowledged"
@@ -143,17 +151,34 @@ class GroupConsumer:
                 entries.append(entry)
         return entries
 
-    async def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
-        """Delivery count of each pending entry (XPENDING's per-entry form)."""
-        lo, hi = min(entry_ids), max(entry_ids)
-        rows = await self.redis.xpending_range(
-            self.stream, self.group, min=lo, max=hi, count=len(entry_ids) * 4 + 16
-        )
-        return {_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
+    async def _idle_pending(self, count: int) -> dict[str, int]:
+        """Up to `count` entries pending for at least `claim_idle_ms` and not held here, oldest
+        first, each with its delivery count (XPENDING's extended form, paged past held ones)."""
+        found: dict[str, int] = {}
+        start = "-"
+        while len(found) < count:
+            rows = await self.redis.xpending_range(
+                self.stream, self.group, min=start, max="+", count=count, idle=self.claim_idle_ms
+            )
+            for row in rows:
+                eid = _text(row["message_id"])
+                if eid not in self.holding and len(found) < count:
+                    found[eid] = int(row["times_delivered"])
+            if len(rows) < count:
+                break
+            start = "(" + _text(rows[-1]["message_id"])  # exclusive: the next page
+        return found
+
+    def release(self, *entry_ids: str) -> None:
+        """Stop holding entries without acknowledging them (their work failed, or was
+        acknowledged elsewhere, e.g. inside a script): pending ones are taken over once idle
+        for `claim_idle_ms`, by this consumer too, each time as one more delivery."""
+        self.holding.difference_update(entry_ids)
 
     async def ack(self, *entry_ids: str) -> None:
         if entry_ids:
             await self.redis.xack(self.stream, self.group, *entry_ids)
+            self.release(*entry_ids)
 
     async def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move an entry to the dead-letter stream with its reason, then acknowledge it, in one
@@ -172,6 +197,7 @@ class GroupConsumer:
             )
             pipe.xack(self.stream, self.group, entry.entry_id)
             await pipe.execute()
+        self.release(entry.entry_id)
         log.warning(
             "dead-lettered %s entry %s (%s): %s",
             self.stream,

@@ -118,7 +118,7 @@ class WorkerSettings(Section):
     claim_idle_ms: int = Field(
         60_000,
         ge=100,
-        description="Entries pending this long on a consumer are taken over (XAUTOCLAIM); "
+        description="Entries pending this long on a consumer are taken over (XCLAIM); "
         "turns in progress are kept fresh, so only a dead worker's entries qualify.",
     )
     max_deliveries: int = Field(

@@ -1,14 +1,14 @@
 """A stream worker: one consumer of the `judges` group on the turns stream.
 
-Delivery: entries are read (XAUTOCLAIM of a dead consumer's entries first, then new ones), up
-to `concurrency` turns are judged at once, and finished judgements are committed in batches by
-one committer (store.py: sample + audit + dedupe marker + XACK, atomically per turn). Turns in
-progress are re-claimed to this consumer every third of `claim_idle_ms` (XCLAIM JUSTID, which
-does not count as a delivery), so a slow engine or a long outage never makes a live worker's
-turns look abandoned; only a dead worker's turns are taken over. An unavailable engine makes a
-turn wait with exponential backoff, never dead-letters it. A malformed turn is dead-lettered
-with its reason at once; an unexpected failure leaves the turn pending for redelivery and
-dead-letters it on its last allowed delivery.
+Delivery: entries are read (idle ones a dead consumer left or a failure released first, then new
+ones), up to `concurrency` turns are judged at once, and finished judgements are committed in
+batches by one committer (store.py: sample + audit + dedupe marker + XACK, atomically per turn).
+Turns in progress are re-claimed to this consumer every third of `claim_idle_ms` (XCLAIM JUSTID,
+which does not count as a delivery), so a slow engine or a long outage never makes a live
+worker's turns look abandoned; only a dead worker's turns are taken over. An unavailable engine
+makes a turn wait with exponential backoff, never dead-letters it. A malformed turn is
+dead-lettered with its reason at once; an unexpected failure leaves the turn pending for
+redelivery and dead-letters it on its last allowed delivery.
 """
 
 from __future__ import annotations
@@ -195,6 +195,9 @@ class Worker:
 
     def _forget(self, item: InFlight) -> None:
         self.in_flight.pop(item.entry.entry_id, None)
+        # Committed (the script acknowledged it) or failed (pending: once idle it is claimed
+        # again, by this worker too, as one more delivery).
+        self.consumer.release(item.entry.entry_id)
         self.metrics.in_flight.set(len(self.in_flight))
         self._room.set()
         if not self.in_flight:
