@@ -1,6 +1,7 @@
-"""Per-policy-version figures of a simulation: accuracy (the simulator's own check of every
-reply) and reward (what the judge gave the same turns, read from the samples stream), written as
-CSV, a PNG plot and a printed table."""
+"""Per-policy-version figures of a simulation: the simulator's own check of every reply (the
+preference met, or the arithmetic right), the reward the judge gave the same turns (read from
+the samples stream) and the held-out score (`clawrl eval`), written as CSV, a PNG plot and a
+printed table."""
 
 from __future__ import annotations
 
@@ -9,66 +10,84 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from clawrl.simulate.evaluation import HeldOutScore
+
 
 @dataclass(frozen=True)
 class TurnOutcome:
     """One reply the simulator checked."""
 
     version: int
-    correct: bool
+    ok: bool  # passed the user's check
 
 
 @dataclass(frozen=True)
 class VersionStats:
     version: int
     turns: int
-    accuracy: float
+    passed: float  # share of the turns that passed the user's check
     samples: int  # judged samples with a reward (masked ones excluded)
     reward_mean: float | None
+    held_out: float | None = None  # held-out score, when this version was evaluated
 
 
 def per_version(
-    outcomes: list[TurnOutcome], rewards: list[tuple[int, float]]
+    outcomes: list[TurnOutcome],
+    rewards: list[tuple[int, float]],
+    held_out: list[HeldOutScore] = (),
 ) -> list[VersionStats]:
-    """Group the checked replies and the (version, reward) of judged samples by version."""
+    """Group the checked replies, the (version, reward) of judged samples and the held-out
+    scores by version."""
     turns: dict[int, list[bool]] = defaultdict(list)
     for outcome in outcomes:
-        turns[outcome.version].append(outcome.correct)
+        turns[outcome.version].append(outcome.ok)
     scored: dict[int, list[float]] = defaultdict(list)
     for version, reward in rewards:
         scored[version].append(reward)
+    evaluated = {s.version: s.score for s in held_out}
     return [
         VersionStats(
             version=v,
             turns=len(turns[v]),
-            accuracy=sum(turns[v]) / len(turns[v]) if turns[v] else 0.0,
+            passed=sum(turns[v]) / len(turns[v]) if turns[v] else 0.0,
             samples=len(scored[v]),
             reward_mean=sum(scored[v]) / len(scored[v]) if scored[v] else None,
+            held_out=evaluated.get(v),
         )
-        for v in sorted(set(turns) | set(scored))
+        for v in sorted(set(turns) | set(scored) | set(evaluated))
     ]
 
 
-def table(stats: list[VersionStats]) -> str:
-    lines = [f"{'version':>7}  {'turns':>6}  {'accuracy':>8}  {'samples':>7}  {'reward':>7}"]
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(stats: list[VersionStats], check_name: str = "liked") -> str:
+    lines = [
+        f"{'version':>7}  {'turns':>6}  {check_name:>8}  {'samples':>7}  {'reward':>7}  "
+        f"{'held-out':>8}"
+    ]
     for s in stats:
-        reward = f"{s.reward_mean:+.3f}" if s.reward_mean is not None else "-"
         lines.append(
-            f"{s.version:>7}  {s.turns:>6}  {s.accuracy:>8.3f}  {s.samples:>7}  {reward:>7}"
+            f"{s.version:>7}  {s.turns:>6}  {s.passed:>8.3f}  {s.samples:>7}  "
+            f"{_number(s.reward_mean, '+.3f'):>7}  {_number(s.held_out, '.3f'):>8}"
         )
     return "\n".join(lines)
 
 
-def write_csv(stats: list[VersionStats], path: Path) -> None:
+def write_csv(stats: list[VersionStats], path: Path, check_name: str = "liked") -> None:
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
-        writer.writerow(["policy_version", "turns", "accuracy", "samples", "reward_mean"])
+        writer.writerow(
+            ["policy_version", "turns", check_name, "samples", "reward_mean", "held_out_score"]
+        )
         for s in stats:
             reward = "" if s.reward_mean is None else f"{s.reward_mean:.4f}"
-            writer.writerow([s.version, s.turns, f"{s.accuracy:.4f}", s.samples, reward])
+            held_out = "" if s.held_out is None else f"{s.held_out:.4f}"
+            writer.writerow([s.version, s.turns, f"{s.passed:.4f}", s.samples, reward, held_out])
 
 
-def plot(stats: list[VersionStats], path: Path, title: str) -> None:
+def plot(stats: list[VersionStats], path: Path, title: str, check_name: str = "liked") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -76,10 +95,16 @@ def plot(stats: list[VersionStats], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     versions = [s.version for s in stats]
-    ax.plot(versions, [s.accuracy for s in stats], "o-", label="accuracy (simulator's check)")
+    served = [s for s in stats if s.turns]
+    ax.plot([s.version for s in served], [s.passed for s in served], "o-",
+            label=f"{check_name} (simulator's check of live replies)")  # fmt: skip
     rewarded = [s for s in stats if s.reward_mean is not None]
     ax.plot([s.version for s in rewarded], [s.reward_mean for s in rewarded], "s-",
             label="mean reward (judge)")  # fmt: skip
+    evaluated = [s for s in stats if s.held_out is not None]
+    if evaluated:
+        ax.plot([s.version for s in evaluated], [s.held_out for s in evaluated], "^-",
+                label="held-out score (greedy, never trained)")  # fmt: skip
     ax.set_xlabel("policy version")
     ax.set_ylim(-1.05, 1.05)
     ax.axhline(0, color="grey", linewidth=0.5)

@@ -1,24 +1,23 @@
 """The scripted users: concurrent multi-turn sessions through the gateway with the official
-`openai` client. Each session asks `turns` word problems in one conversation, answering each
-reply with its verdict and the next question, and closes with `X-Session-Done`."""
+`openai` client. Each session asks `turns` questions of its scenario in one conversation,
+answering each reply with the user's remark on it and the next question, and closes with
+`X-Session-Done`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-import re
 import time
 from dataclasses import dataclass, field
 
 import openai
 
-from clawrl.simulate.problems import SYSTEM_PROMPT, Problem, is_correct, make_problem, next_message
+from clawrl.simulate.evaluation import reply_version
 from clawrl.simulate.report import TurnOutcome
+from clawrl.simulate.scenarios import PREFERENCE, Scenario
 
 log = logging.getLogger(__name__)
-
-FINGERPRINT = re.compile(r"clawrl-policy-v(\d+)")
 
 
 @dataclass
@@ -31,10 +30,12 @@ class SimulationConfig:
     temperature: float
     seed: int
     run_id: str
+    scenario: Scenario = PREFERENCE
 
 
 @dataclass
 class Progress:
+    check_name: str = "liked"
     started: float = field(default_factory=time.monotonic)
     sessions_done: int = 0
     failures: int = 0
@@ -43,17 +44,12 @@ class Progress:
 
     def line(self) -> str:
         recent = self.outcomes[-50:]
-        accuracy = sum(o.correct for o in recent) / len(recent) if recent else 0.0
+        passed = sum(o.ok for o in recent) / len(recent) if recent else 0.0
         return (
             f"[{time.monotonic() - self.started:6.0f}s] sessions {self.sessions_done}  turns "
-            f"{len(self.outcomes)}  accuracy(last 50) {accuracy:.2f}  policy v{self.newest_version}"
-            f"  failed requests {self.failures}"
+            f"{len(self.outcomes)}  {self.check_name}(last 50) {passed:.2f}  policy "
+            f"v{self.newest_version}  failed requests {self.failures}"
         )
-
-
-def reply_version(fingerprint: str | None) -> int:
-    match = FINGERPRINT.fullmatch(fingerprint or "")
-    return int(match.group(1)) if match else 0
 
 
 class Simulation:
@@ -61,7 +57,7 @@ class Simulation:
         self.client = client
         self.model = model
         self.config = config
-        self.progress = Progress()
+        self.progress = Progress(check_name=config.scenario.check_name)
         self.stop = asyncio.Event()
 
     def session_id(self, index: int) -> str:
@@ -111,23 +107,25 @@ class Simulation:
         return reply.choices[0].message.content or "", version
 
     async def session(self, index: int) -> None:
+        scenario = self.config.scenario
         rng = random.Random(self.config.seed * 1_000_003 + index)
         session = self.session_id(index)
-        problems: list[Problem] = [make_problem(rng) for _ in range(self.config.turns)]
+        items = [scenario.draw(rng) for _ in range(self.config.turns)]
+        system = [{"role": "system", "content": scenario.system_prompt}]
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": problems[0].question},
+            *(system if scenario.system_prompt else []),
+            {"role": "user", "content": scenario.text(items[0])},
         ]
-        for turn, problem in enumerate(problems):
+        for turn, item in enumerate(items):
             asked = await self._ask(messages, session)
             if asked is None:
                 return  # the gateway finalises the session when it goes idle
             answer, version = asked
-            self.progress.outcomes.append(TurnOutcome(version, is_correct(answer, problem)))
-            following = problems[turn + 1] if turn + 1 < len(problems) else None
+            self.progress.outcomes.append(TurnOutcome(version, scenario.check(answer, item)))
+            following = items[turn + 1] if turn + 1 < len(items) else None
             messages += [
                 {"role": "assistant", "content": answer},
-                {"role": "user", "content": next_message(answer, problem, following)},
+                {"role": "user", "content": scenario.remark(answer, item, following)},
             ]
-        # The last verdict is the next state of the last answer; this request closes the session.
+        # The last remark is the next state of the last answer; this request closes the session.
         await self._ask(messages, session, max_tokens=1, headers={"X-Session-Done": "true"})

@@ -1,0 +1,48 @@
+"""What the simulated user talks about: the questions of a session, its own check of each reply,
+and its next message (a remark on the reply, then the next question).
+
+- `preference` (the default): open questions; the user wants one paragraph, no lists or line
+  breaks, and says so (judge reward: `clawrl.judge.reward_examples:stated_preference`).
+- `arithmetic`: word problems; the user names the right number ("Correct, thanks: the answer is
+  8." / "No, that's wrong, ..."; judge reward: `arithmetic_confirmed`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from clawrl.simulate import preference, problems, questions
+
+
+@dataclass(frozen=True)
+class Scenario:
+    check_name: str  # what the simulator's own check measures, in reports
+    system_prompt: str | None
+    draw: Callable[[random.Random], Any]  # one question (an item the other functions read)
+    text: Callable[[Any], str]  # the question as the user writes it
+    check: Callable[[str, Any], bool]  # does the reply to the item pass the user's check
+    remark: Callable[[str, Any, Any | None], str]  # next message: verdict, then next question
+
+
+PREFERENCE = Scenario(
+    check_name="liked",
+    system_prompt=None,  # the model's own default: the preference is the user's, never told
+    draw=questions.training_question,
+    text=lambda question: question,
+    check=lambda reply, _question: preference.satisfies(reply),
+    remark=lambda reply, _question, following: preference.next_message(reply, following),
+)
+
+ARITHMETIC = Scenario(
+    check_name="accuracy",
+    system_prompt=problems.SYSTEM_PROMPT,
+    draw=problems.make_problem,
+    text=lambda problem: problem.question,
+    check=lambda reply, problem: problems.is_correct(reply, problem),
+    remark=problems.next_message,
+)
+
+SCENARIOS = {"preference": PREFERENCE, "arithmetic": ARITHMETIC}
