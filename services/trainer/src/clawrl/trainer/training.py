@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -207,7 +208,8 @@ class Trainer:
             ),
             self.settings.advantage_config(),
         )  # fmt: skip
-        figures = batch_figures(batch, old_logp, advantages, self.state.policy_version, cfg.tis_cap)
+        cap = cfg.tis_cap if cfg.off_policy_correction == "tis" else math.inf  # "none": no cap
+        figures = batch_figures(batch, old_logp, advantages, self.state.policy_version, cap)
         figures |= await self.backend.call(
             "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
         )
