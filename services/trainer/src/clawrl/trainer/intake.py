@@ -7,9 +7,18 @@ Delivery is at-least-once, so every entry ends in exactly one of these ways:
 - a sample id already trained (in a durable state): acknowledged now, counted;
 - a sample id trained in a step that is not durable yet (or twice in this batch): acknowledged
   together with that step's entries;
-- malformed: dead-lettered with the reason (which acknowledges it), counted.
+- malformed: dead-lettered with the reason (which acknowledges it), counted;
+- a poison sample (the backend was lost on every step that held it, the last with it alone):
+  dead-lettered with the reason, counted.
 Entries read but not yet part of a step (the trainer stopping mid-batch) stay pending and come
 back after a restart: first this consumer's own pending entries are read again.
+
+A batch that kills the backend (a host OOM: `BackendLost`) also comes back after the restart. So
+that it cannot do so forever, every step counts in Redis, per entry, the steps started with it
+that never finished (`UnfinishedSteps`): while an entry's count is at most `loss_retries` its
+batch is retried whole; after that each further loss halves the steps it may be in, until the
+sample that kills the backend is alone in its step and, losing it once more, is dead-lettered.
+The rest of its batch is trained in the smaller steps.
 """
 
 from __future__ import annotations
@@ -19,12 +28,53 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from redis.asyncio import Redis
+
 from clawrl.common.records import RecordError, Sample, decode_entry
 from clawrl.common.streams import Entry, GroupConsumer
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import BadSample, ModeMismatch, check_mode, check_sample, is_trainable
 
 log = logging.getLogger(__name__)
+
+
+def step_limit(losses: int, batch_size: int, retries: int) -> int:
+    """The most samples a step may hold beside a sample whose steps lost the backend `losses`
+    times: the whole batch while `losses <= retries` (a transient host OOM), then half as many
+    (rounded up) for each further loss down to 1, and 0 (dead-letter it) once it lost the backend
+    alone."""
+    size = batch_size
+    for _ in range(losses - retries):
+        size = 0 if size <= 1 else (size + 1) // 2
+    return size
+
+
+class UnfinishedSteps:
+    """Per stream entry, the training steps started with it that never finished: a Redis hash
+    (entry id -> count), durable across a trainer's restart. A step counts its entries before
+    the backend sees them and forgets them when it is done (trained or rejected), so what is
+    left counts steps the backend (or the whole trainer) died in."""
+
+    def __init__(self, redis: Redis, key: str) -> None:
+        self.redis = redis
+        self.key = key
+
+    async def begin(self, entry_ids: list[str]) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry_id in entry_ids:
+                pipe.hincrby(self.key, entry_id, 1)
+            await pipe.execute()
+
+    async def finish(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            await self.redis.hdel(self.key, *entry_ids)
+
+    async def counts(self, entry_ids: list[str]) -> dict[str, int]:
+        """The count of each entry that has one."""
+        if not entry_ids:
+            return {}
+        values = await self.redis.hmget(self.key, entry_ids)
+        return {eid: int(v) for eid, v in zip(entry_ids, values, strict=True) if v is not None}
 
 
 @dataclass
@@ -58,6 +108,7 @@ class Intake:
         max_staleness: int,
         vocab_size: int,
         max_length: int,
+        loss_retries: int = 1,
         estimator: str = "grpo",
     ) -> None:
         self.consumer = consumer
@@ -67,7 +118,12 @@ class Intake:
         self.vocab_size = vocab_size
         self.max_length = max_length
         self.estimator = estimator
-        self._backlog: list[Entry] | None = None  # own pending entries, read once at start
+        self.loss_retries = loss_retries
+        self.unfinished = UnfinishedSteps(
+            consumer.redis, f"{consumer.stream}:{consumer.group}:unfinished-steps"
+        )
+        # Own pending entries (read once at start), then entries read that did not fit a step.
+        self._backlog: list[Entry] | None = None
 
     async def next_batch(
         self,
@@ -77,32 +133,44 @@ class Intake:
         stop: asyncio.Event,
         block_ms: int = 1000,
     ) -> Collected | None:
-        """A batch of `batch_size` trainable samples, or None when `stop` is set first (what
-        was read then stays pending). `trained(id)`: the id is in a durable state;
-        `uncommitted`: ids trained in steps not durable yet."""
+        """A batch of `batch_size` trainable samples (fewer beside a sample a step lost the
+        backend with), or None when `stop` is set first (what was read then stays pending).
+        `trained(id)`: the id is in a durable state; `uncommitted`: ids trained in steps not
+        durable yet."""
         if self._backlog is None:
             self._backlog = await self.consumer.read_own_pending(count=100_000)
             if self._backlog:
                 log.info("taking back %d pending entries of a previous run", len(self._backlog))
         collected = Collected()
         in_batch: set[str] = set()
-        while len(collected.held) < self.batch_size:
+        limit = self.batch_size
+        while len(collected.held) < limit:
             if stop.is_set():
                 return None
-            need = self.batch_size - len(collected.held)
+            need = limit - len(collected.held)
             if self._backlog:
                 entries, self._backlog = self._backlog[:need], self._backlog[need:]
             else:
                 entries = await self.consumer.read(need, block_ms=block_ms)
-            for entry in entries:
-                sample = await self._admit(entry, policy_version, trained, uncommitted, in_batch)
-                if sample is None:
-                    continue
-                if isinstance(sample, str):
-                    collected.ack_with_step.append(sample)
+            losses = await self.unfinished.counts([entry.entry_id for entry in entries])
+            for i, entry in enumerate(entries):
+                lost = losses.get(entry.entry_id, 0)
+                fits = step_limit(lost, self.batch_size, self.loss_retries)
+                if 0 < min(fits, limit) <= len(collected.held):
+                    self._backlog = entries[i:] + self._backlog  # it opens the next step
+                    return collected
+                sample = await self._admit(
+                    entry, policy_version, trained, uncommitted, in_batch, lost
+                )
+                if not isinstance(sample, Sample):
+                    if lost:  # dealt with here: nothing left to count
+                        await self.unfinished.finish([entry.entry_id])
+                    if isinstance(sample, str):
+                        collected.ack_with_step.append(sample)
                     continue
                 in_batch.add(sample.sample_id)
                 collected.held.append(Held(sample, entry))
+                limit = min(limit, fits)
         return collected
 
     async def _admit(
@@ -112,9 +180,10 @@ class Intake:
         trained: Callable[[str], bool],
         uncommitted: set[str],
         in_batch: set[str],
+        lost: int,
     ) -> Sample | str | None:
         """The sample to train; an entry id to acknowledge with the step; or None when the
-        entry was dealt with here."""
+        entry was dealt with here. `lost`: steps with it that lost the backend."""
         consumed = self.metrics.samples_consumed
         try:
             sample = decode_entry(entry.fields, Sample)
@@ -144,6 +213,13 @@ class Intake:
             return await self._drop_bad(entry, "mode", str(exc))
         except BadSample as exc:
             return await self._drop_bad(entry, "invalid", str(exc))
+        if step_limit(lost, self.batch_size, self.loss_retries) == 0:
+            return await self._drop_bad(
+                entry,
+                "backend_lost",
+                f"the training backend was lost in {lost} steps with this sample, the last "
+                "with it alone",
+            )
         return sample
 
     async def _drop(self, entry: Entry, reason: str, sample: Sample) -> None:

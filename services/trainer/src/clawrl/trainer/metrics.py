@@ -8,7 +8,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
-DROP_REASONS = ("stale", "duplicate", "invalid", "mode", "undecodable", "step_failed")
+DROP_REASONS = (
+    "stale",
+    "duplicate",
+    "invalid",
+    "mode",
+    "undecodable",
+    "step_failed",
+    "backend_lost",
+)
 
 # Step figures exported as gauges, by the name `policy_objective` / the backend give them.
 STEP_GAUGES = {
@@ -50,7 +58,7 @@ class TrainerMetrics:
         self.samples_dropped = Counter(
             "clawrl_trainer_samples_dropped_total",
             "Samples not trained, by reason (stale, duplicate, invalid, mode: judged in a mode the "
-            "estimator does not train, undecodable, step_failed).",
+            "estimator does not train, undecodable, step_failed, backend_lost).",
             ["reason"],
             registry=r,
         )

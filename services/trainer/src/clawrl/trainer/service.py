@@ -60,6 +60,7 @@ async def build_trainer(
         max_staleness=settings.rollout.max_staleness,
         vocab_size=await backend.call("vocab_size"),
         max_length=context_length(settings.model, model_dir),
+        loss_retries=settings.consumer.backend_loss_retries,
         estimator=settings.advantage.estimator,
     )
     store = CheckpointStore(settings.checkpoint)

@@ -160,6 +160,13 @@ class ConsumerSettings(Section):
     max_deliveries: int = Field(
         5, gt=0, description="Deliveries after which an entry is dead-lettered."
     )
+    backend_loss_retries: int = Field(
+        1,
+        ge=0,
+        description="Restarts that retry a whole batch the backend was lost on (a host OOM); "
+        "after that each loss halves the steps its samples may be in, until the sample that "
+        "kills the backend is alone and is dead-lettered.",
+    )
     dedupe_window: int = Field(
         100_000, gt=0, description="Ids of the last trained samples kept to refuse a redelivery."
     )

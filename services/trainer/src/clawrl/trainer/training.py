@@ -155,13 +155,23 @@ class Trainer:
         started = time.perf_counter()
         version_at_start = self.state.policy_version
         batch = collate([h.sample for h in collected.held])
+        entry_ids = [h.entry.entry_id for h in collected.held]
+        # Counted before the backend sees the batch: if it kills the backend (or the whole
+        # trainer), the restart knows, and splits the batch instead of dying on it forever.
+        await self.intake.unfinished.begin(entry_ids)
         try:
             figures = await self._optimize(batch)
-        except BackendLost:
-            raise  # no model left: restart from the last state (the entries stay pending)
+        except BackendLost as exc:
+            # No model left: restart from the last state (the entries stay pending).
+            log.error("the backend was lost on step %d with %d samples (%s): %s",
+                      self.state.step + 1, len(entry_ids), ", ".join(batch.sample_ids),
+                      exc)  # fmt: skip
+            raise
         except Exception as exc:  # one batch the backend cannot train must not stop the stream
+            await self.intake.unfinished.finish(entry_ids)
             await self._reject(collected, exc)
             return None
+        await self.intake.unfinished.finish(entry_ids)
         self.state.step += 1
         self.state.samples_trained += batch.size
         self.uncommitted.update(batch.sample_ids)
