@@ -18,6 +18,14 @@ from tests.conftest import REPO
 CHART = REPO / "helm" / "clawrl"
 EXAMPLE_VALUES = sorted((REPO / "deploy").glob("values-*.yaml"))
 CRDS = Path(__file__).parent / "crds"
+# `--set`s pinning every image of the chart by one (made-up) digest.
+DIGEST = "sha256:" + "ab" * 32
+PIN_EVERY_IMAGE = tuple(
+    f"{component}.image.digest={DIGEST}"
+    for component in (
+        "gateway", "policyEngine", "judgeEngine", "judge", "trainer", "weightSync", "redis"
+    )
+)  # fmt: skip
 
 
 def helm_binary() -> str:

@@ -213,6 +213,8 @@ def test_every_object_has_the_standard_labels(default_objects: list[dict]) -> No
         (("redis.mode=external",), "/redis/externalUrl"),
         (("gateway.replicaz=3",), "replicaz"),
         (("podSecurityContext.runAsNonRoot=false",), "runAsNonRoot"),
+        (("gateway.image.digest=latest",), "/gateway/image/digest"),
+        (("redis.image.digest=sha256:abc",), "/redis/image/digest"),
     ],
 )
 def test_the_schema_rejects_bad_values(sets: tuple[str, ...], message: str) -> None:

@@ -35,13 +35,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
 {{- end }}
 
-{{/* A component's image: <registry>/<name>:<tag>, the tag defaulting to image.tag, then appVersion. Call with (dict "root" $ "image" .Values.gateway.image). */}}
+{{/* A component's image: <registry>/<name>:<tag>, the tag defaulting to image.tag, then appVersion; with image.digest set, <registry>/<name>@<digest> (pinned: a moved tag cannot change what runs). Call with (dict "root" $ "image" .Values.gateway.image). */}}
 {{- define "clawrl.image" -}}
 {{- $tag := .image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion }}
+{{- $name := .image.name }}
 {{- if .root.Values.image.registry }}
-{{- printf "%s/%s:%s" .root.Values.image.registry .image.name $tag }}
+{{- $name = printf "%s/%s" .root.Values.image.registry .image.name }}
+{{- end }}
+{{- if .image.digest }}
+{{- printf "%s@%s" $name .image.digest }}
 {{- else }}
-{{- printf "%s:%s" .image.name $tag }}
+{{- printf "%s:%s" $name $tag }}
 {{- end }}
 {{- end }}
 
@@ -108,6 +112,26 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
+{{/* The emptyDir volumes behind the writable directories of a pod whose root filesystem is read-only (securityContext.readOnlyRootFilesystem): /tmp, and with "home" true $HOME, where SGLang, Triton, FlashInfer, torch and CUDA keep their JIT and compile caches. Call with (dict "home" true), or (dict) for /tmp only. */}}
+{{- define "clawrl.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .home }}
+- name: home
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{/* A container's mounts of clawrl.scratchVolumes: /tmp, and with "home" true /home/clawrl (the container must set HOME to it: the CPU engine's image has another home). Call as clawrl.scratchVolumes. */}}
+{{- define "clawrl.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .home }}
+- name: home
+  mountPath: /home/clawrl
+{{- end }}
+{{- end }}
+
 {{/* Container resources; with gpus > 0, nvidia.com/gpu is added to requests and limits. Call with (dict "resources" .resources "gpus" 2). */}}
 {{- define "clawrl.resources" -}}
 {{- $res := deepCopy (.resources | default dict) }}
@@ -152,6 +176,7 @@ imagePullSecrets:
   volumeMounts:
     - name: models
       mountPath: /models
+    {{- include "clawrl.scratchMounts" (dict) | nindent 4 }}
 {{- end }}
 {{- end }}
 
@@ -197,6 +222,8 @@ spec:
       labels:
         {{- include "clawrl.labels" . | nindent 8 }}
     spec:
+      # SGLang never talks to the Kubernetes API.
+      automountServiceAccountToken: false
       {{- include "clawrl.podDefaults" $root | nindent 6 }}
       {{- with include "clawrl.gpuPlacement" (dict "root" $root "values" $v) | trim }}
       {{- . | nindent 6 }}
@@ -217,6 +244,8 @@ spec:
           env:
             - name: HF_HOME
               value: /models/.hf-home
+            - name: HOME
+              value: /home/clawrl
             {{- include "clawrl.env" (dict "root" $root "settings" $settings "values" $v) | trim | nindent 12 }}
           # Loading (and compiling) a large model takes minutes: the startup probe allows it,
           # and only after it passes do the other probes start.
@@ -250,6 +279,7 @@ spec:
               mountPath: /models
             - name: dshm
               mountPath: /dev/shm
+            {{- include "clawrl.scratchMounts" (dict "home" true) | nindent 12 }}
             {{- if .checkpoints }}
             # New policy versions arrive here (/update_weights_from_disk reads them).
             - name: checkpoints
@@ -266,6 +296,7 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $v.shmSize }}
+        {{- include "clawrl.scratchVolumes" (dict "home" true) | nindent 8 }}
 {{- end }}
 
 {{/* The ClusterIP Service of an engine (SGLang API and /metrics on port 30000), and with "replicas" true a headless one that resolves to every replica (the weight sync loads each). */}}
@@ -416,5 +447,9 @@ template:
           {{- toYaml $v.resources | nindent 10 }}
         securityContext:
           {{- toYaml .Values.securityContext | nindent 10 }}
+        volumeMounts:
+          {{- include "clawrl.scratchMounts" (dict) | nindent 10 }}
+    volumes:
+      {{- include "clawrl.scratchVolumes" (dict) | nindent 6 }}
 {{- end }}
 {{- end }}
