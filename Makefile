@@ -13,9 +13,11 @@ $(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 	bash scripts/setup.sh
 	touch $(STAMP)
 
-# The judge's reward in make run: the simulator's arithmetic check, so the loop visibly learns
-# from `clawrl simulate`; RUN_REWARD_FN= leaves the judge to clawrl.toml ([judging]).
-RUN_REWARD_FN ?= clawrl.judge.reward_examples:arithmetic_confirmed
+# The judge's reward in make run: what `clawrl simulate`'s user says about each reply (its
+# preference: one paragraph), so the loop visibly learns it; RUN_REWARD_FN= leaves the judge to
+# clawrl.toml ([judging]). make run trains a LoRA adapter (rank 16, lr 5e-4, the batch's mean
+# reward as baseline); RUN_ARGS="--lora-rank 0" goes back to full fine-tuning.
+RUN_REWARD_FN ?= clawrl.judge.reward_examples:stated_preference
 RUN_ARGS ?=
 
 run: setup  ## the whole learning loop locally on CPU, 16k context (flags: RUN_ARGS="--help")
@@ -39,7 +41,8 @@ lint: setup
 
 HELM = $(shell $(PY) scripts/install-helm.py)
 
-chart: setup  ## the Helm chart: helm lint/template, Kubernetes and CRD schemas, dashboards' metrics
+chart: setup  ## the Helm chart: helm lint/template, Kubernetes and CRD schemas, dashboards' metrics, checkov
+	$(PY) scripts/install-checkov.py >/dev/null
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 bench: setup  ## benchmarks print figures; they assert nothing

