@@ -104,7 +104,10 @@ class GroupConsumer:
     async def read_own_pending(self, count: int) -> list[Entry]:
         """Up to `count` entries this consumer was given but never acknowledged, oldest first:
         a restart under the same consumer name takes its work back at once, without waiting
-        `claim_idle_ms`. Entries trimmed from the stream meanwhile are acknowledged."""
+        `claim_idle_ms`. Entries trimmed from the stream meanwhile are acknowledged. Their
+        delivery counts are not read: each restart adds one whatever the entry did, so they
+        cannot tell a poison entry; the trainer counts the steps that died with an entry instead
+        (trainer/intake.py)."""
         entries: list[Entry] = []
         cursor = "0-0"
         while len(entries) < count:
