@@ -84,7 +84,8 @@ class EngineMetrics:
         )
         self.rejected_requests = Counter(
             "clawrl_engine_rejected_requests",
-            "Requests refused before generation, by reason (invalid, queue_full, paused).",
+            "Requests refused before generation, by reason (invalid, adapter_not_loaded, "
+            "queue_full, paused).",
             ["reason"],
             registry=r,
         )

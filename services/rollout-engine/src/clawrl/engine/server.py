@@ -27,6 +27,8 @@ from clawrl.engine.generation import (
     SamplingRow,
     StopCriteria,
 )
+from clawrl.engine.lora import AdapterNotLoaded
+from clawrl.engine.lora_api import build_lora_router
 from clawrl.engine.metrics import EngineMetrics
 from clawrl.engine.openai_api import build_router, error_response
 from clawrl.engine.protocol import (
@@ -113,6 +115,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
     app.state.clawrl = state
     _install_error_handlers(app, state.metrics)
     _add_native_routes(app, state)
+    app.include_router(build_lora_router(state, _body))
     app.include_router(build_router(state))
     return app
 
@@ -120,7 +123,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
 def _install_error_handlers(app: FastAPI, metrics: EngineMetrics) -> None:
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
-        metrics.rejected_requests.labels(reason="invalid").inc()
+        reason = "adapter_not_loaded" if isinstance(exc, AdapterNotLoaded) else "invalid"
+        metrics.rejected_requests.labels(reason=reason).inc()
         log.info("rejected %s: %s", request.url.path, exc)
         return error_response(400, str(exc), "BadRequestError")
 
@@ -270,6 +274,9 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
             "max_running_requests": s.engine.max_running_requests,
             "max_queued_requests": s.engine.max_queued_requests,
             "max_total_tokens": s.engine.max_total_tokens,
+            "enable_lora": s.engine.lora_enabled,
+            "max_loras_per_batch": s.engine.max_loras_per_batch,
+            "max_lora_rank": engine().max_lora_rank or None,
             "internal_states": [
                 {
                     "num_running_reqs": engine().scheduler.num_running,
