@@ -54,6 +54,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_trainer.py
 	$(PY) tests/bench/bench_megatron.py
 	$(PY) tests/bench/bench_weight_sync.py
+	$(PY) tests/bench/bench_weight_sync.py --lora
 	$(PY) tests/bench/bench_broadcast.py
 	$(PY) tests/bench/bench_learning.py
 

@@ -1,7 +1,7 @@
 """After a LoRA switch the job unloads the old adapter only once no gateway has a request
 running on it, and leaves it loaded when the wait runs out; a version every engine holds and
-every gateway serves is skipped (a real GatewayControl server over a
-real gate, a scripted SGLang engine speaking the LoRA API over real HTTP, real Redis)."""
+every gateway serves is skipped (a real GatewayControl server over a real gate, a scripted
+SGLang engine speaking the LoRA API over real HTTP, real Redis)."""
 
 from __future__ import annotations
 
