@@ -1,16 +1,21 @@
 """`clawrl eval` against a real CPU engine (the tiny model): every held-out question asked once,
-greedily, and scored with the same preference check as the simulated user's."""
+greedily, of the base model or of a LoRA adapter named policy-vN, and scored with the same
+preference check as the simulated user's."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
+from clawrl.common.models import resolve_model_dir
+from clawrl.common.settings import ModelSettings
 from clawrl.simulate.main import evaluate, parse_args
 from clawrl.simulate.preference import satisfies
 from clawrl.simulate.questions import held_out_questions
+from tests.integration.engine.lora_adapters import make_adapter
 
 pytestmark = [pytest.mark.integration]
 
@@ -18,29 +23,55 @@ MODEL = "smollm2-tiny"
 MAX_TOKENS = 40
 
 
-def expected_line(url: str, version: int, lora: str | None = None) -> str:
-    """The score computed here from the engine's own greedy replies, one question at a time."""
+@pytest.fixture(scope="module")
+def url(engine_factory, tmp_path_factory) -> str:
+    adapter = make_adapter(
+        resolve_model_dir(ModelSettings(path=MODEL)),
+        Path(tmp_path_factory.mktemp("adapter")) / "v3",
+        seed=3,
+        scale=0.5,  # large enough to change greedy replies
+    )
+    return engine_factory(
+        MODEL, "--lora-paths", f"policy-v3={adapter}", "--max-lora-rank", "8",
+        "--lora-target-modules", "all",
+    )  # fmt: skip
+
+
+def greedy_replies(url: str, lora: str | None) -> list[str]:
+    """The engine's own greedy replies, one question at a time."""
     client = OpenAI(base_url=f"{url}/v1", api_key="local")
-    met = 0
+    replies = []
     for question in held_out_questions():
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}],
             max_tokens=MAX_TOKENS, temperature=0.0,
             extra_body={"lora_path": lora} if lora else None,
         )  # fmt: skip
-        met += satisfies(reply.choices[0].message.content or "")
+        replies.append(reply.choices[0].message.content or "")
+    return replies
+
+
+def score_line(version: int, replies: list[str]) -> str:
+    met = sum(satisfies(r) for r in replies)
     return f"v{version}: held-out score {met / 32:.3f} ({met}/32)"
 
 
-def test_clawrl_eval_scores_the_held_out_questions(engine_factory, capsys) -> None:
-    url = engine_factory(MODEL)
-    args = parse_args(["eval", "--base-url", f"{url}/v1", "--max-tokens", str(MAX_TOKENS)])
-    assert asyncio.run(evaluate(args)) == 0
-    printed = capsys.readouterr().out.strip()
-    assert printed == expected_line(url, 0)
+def run_eval(url: str, *extra: str) -> int:
+    argv = ["eval", "--base-url", f"{url}/v1", "--max-tokens", str(MAX_TOKENS), *extra]
+    return asyncio.run(evaluate(parse_args(argv)))
 
 
-def test_clawrl_eval_refuses_an_unreachable_endpoint(capsys) -> None:
-    args = parse_args(["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", MODEL])
-    assert asyncio.run(evaluate(args)) == 1
+def test_clawrl_eval_scores_the_base_model_and_an_adapter(url, capsys) -> None:
+    base, adapted = greedy_replies(url, None), greedy_replies(url, "policy-v3")
+    assert base != adapted  # the adapter answers differently: lora_path reached the engine
+    assert run_eval(url) == 0
+    assert capsys.readouterr().out.strip() == score_line(0, base)
+    assert run_eval(url, "--lora", "policy-v3") == 0
+    assert capsys.readouterr().out.strip() == score_line(3, adapted)
+
+
+def test_clawrl_eval_fails_clearly(url, capsys) -> None:
+    assert run_eval(url, "--lora", "policy-v9") == 1  # not loaded: the engine refuses it
+    assert "held-out question" in capsys.readouterr().err
+    assert run_eval("http://127.0.0.1:9", "--model", MODEL) == 1  # nothing listens there
     assert "held-out question" in capsys.readouterr().err

@@ -149,3 +149,12 @@ def test_figures_per_version(tmp_path) -> None:
     rows = (tmp_path / "out.csv").read_text().splitlines()
     assert rows[0] == "policy_version,turns,accuracy,samples,reward_mean,held_out_score"
     assert rows[1:3] == ["0,2,0.5000,3,-0.3333,0.2500", "1,0,0.0000,1,1.0000,"]
+
+
+def test_eval_refuses_an_adapter_name_without_a_version(capsys) -> None:
+    from clawrl.simulate.main import parse_args
+
+    assert parse_args(["eval", "--lora", "policy-v4"]).lora == "policy-v4"
+    with pytest.raises(SystemExit):
+        parse_args(["eval", "--lora", "mine"])
+    assert "not named policy-vN" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from clawrl.common.records import RecordError, decode_entry
 from clawrl.simulate.evaluation import (
     EvalError,
     HeldOutScore,
+    adapter_version,
     complete,
     held_out_answers,
     scores,
@@ -41,6 +42,15 @@ from clawrl.simulate.simulation import Progress, Simulation, SimulationConfig
 MAX_TOKENS = 96
 
 log = logging.getLogger(__name__)
+
+
+def adapter_name(value: str) -> str:
+    """--lora's check: the trainer's adapter names, policy-vN, carry the version."""
+    try:
+        adapter_version(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_client_args(ev)
     ev.add_argument(
         "--lora",
+        type=adapter_name,
         help="against an engine: the adapter to score (policy-vN, sent as lora_path); unset: "
         "what the endpoint serves (through the gateway: the current version, as side turns)",
     )

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+STEP_PHASES = ("logprobs", "forward_backward", "optimizer", "checkpoint", "export", "total")
 DROP_REASONS = (
     "stale",
     "duplicate",
@@ -75,6 +76,10 @@ class TrainerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        # Every phase from 0: a series born at its first step is first scraped with that step
+        # already counted, and a rate over it misses the step (the Step time panel stayed empty).
+        for phase in STEP_PHASES:
+            self.step_seconds.labels(phase)
         self.sample_latency = Histogram(
             "clawrl_trainer_sample_latency_seconds",
             "From a sample's XADD to the end of the step that trained it.",
