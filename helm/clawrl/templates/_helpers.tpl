@@ -194,7 +194,7 @@ imagePullSecrets:
     claimName: {{ .Values.volumes.checkpoints.existingClaim | default (include "clawrl.componentName" (dict "root" . "component" "checkpoints")) }}
 {{- end }}
 
-{{/* An engine (policy or judge): a Deployment running `clawrl-engine --backend sglang`, which execs SGLang's launcher (or the CPU engine with backend cpu). Call with (dict "root" $ "component" "policy-engine" "values" .Values.policyEngine "model" .Values.models.policy "checkpoints" true). */}}
+{{/* An engine (policy or judge): a Deployment running `clawrl-engine --backend sglang`, which execs SGLang's launcher (or the CPU engine with backend cpu); with values.lora.enabled its LoRA settings become the engine's (SGLang's LoRA flags). Call with (dict "root" $ "component" "policy-engine" "values" .Values.policyEngine "model" .Values.models.policy "checkpoints" true). */}}
 {{- define "clawrl.engineDeployment" -}}
 {{- $root := .root }}
 {{- $v := .values }}
@@ -203,6 +203,9 @@ imagePullSecrets:
   "model" (dict "path" (printf "/models/%s" .model.name))
   "engine" (dict "host" "0.0.0.0" "port" 30000 "backend" $v.backend)
   "sglang" (dict "tp_size" $v.tensorParallel "enable_metrics" true) }}
+{{- if and $v.lora $v.lora.enabled }}
+{{- $_ := mergeOverwrite (get $settings "engine") (dict "enable_lora" true "max_lora_rank" $v.lora.maxRank "lora_target_modules" $v.lora.targetModules "max_loras_per_batch" $v.lora.maxLorasPerBatch) }}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
