@@ -27,6 +27,7 @@ class GatewayFactory:
         self.redis_url = redis_url
         self.engine_url = engine_url
         self.handles: dict[str, GatewayHandle] = {}
+        self.launches: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def start(
         self,
@@ -47,26 +48,25 @@ class GatewayFactory:
             "CLAWRL_REDIS__TURNS_STREAM": stream,
             "CLAWRL_GATEWAY_ID": name,
             "CLAWRL_SERVING__RETRY_AFTER_S": "3",
+            # Its own spool: one left by an earlier run must not replay into this one's Redis.
+            "CLAWRL_SESSIONS__SPOOL_DIR": str(self.log_dir / f"spool-{name}"),
             **env,
         }
-        child = ChildProcess(
-            f"gateway-{name}",
-            [
-                str(VENV_BIN / "clawrl-gateway"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--grpc-port",
-                str(grpc_port),
-                "--engine-url",
-                engine_url or self.engine_url,
-                "--redis-url",
-                redis_url or self.redis_url,
-            ],
-            self.log_dir,
-            env=environment,
-        )
+        argv = [
+            str(VENV_BIN / "clawrl-gateway"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--engine-url",
+            engine_url or self.engine_url,
+            "--redis-url",
+            redis_url or self.redis_url,
+        ]
+        self.launches[name] = (argv, environment)
+        child = ChildProcess(f"gateway-{name}", argv, self.log_dir, env=environment)
         handle = GatewayHandle(
             name=name,
             url=f"http://127.0.0.1:{port}",
@@ -93,6 +93,15 @@ class GatewayFactory:
                 raise
             handle.ready = True
         return handle
+
+    def restart(self, handle: GatewayHandle) -> GatewayHandle:
+        """Stop the gateway and start it again with the same ports and environment."""
+        argv, environment = self.launches[handle.name]
+        handle.child.stop()
+        handle.child = ChildProcess(f"gateway-{handle.name}-restarted", argv, self.log_dir,
+                                    env=environment)  # fmt: skip
+        handle.ready = False
+        return self.ready(handle)
 
     def stop_all(self) -> None:
         for handle in self.handles.values():

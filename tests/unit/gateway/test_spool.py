@@ -3,6 +3,7 @@ one Redis refuses again, reloaded by a restarted gateway, bounded."""
 
 from __future__ import annotations
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clawrl.gateway.spool import SPOOL_FILE, RecordingSpool, SpooledCall
@@ -68,3 +69,11 @@ def test_a_full_spool_refuses_and_writes_nothing(tmp_path):
     assert not spool.append(call(2))
     spool.close()
     assert len(RecordingSpool(tmp_path, max_bytes=2 * size)) == 2
+
+
+def test_one_gateway_per_spool(tmp_path):
+    first = RecordingSpool(tmp_path, max_bytes=1 << 20)
+    with pytest.raises(RuntimeError, match="held by another gateway"):
+        RecordingSpool(tmp_path, max_bytes=1 << 20)
+    first.close()
+    RecordingSpool(tmp_path, max_bytes=1 << 20).close()

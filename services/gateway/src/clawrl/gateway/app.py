@@ -43,6 +43,7 @@ from clawrl.gateway.recording import Recorder
 from clawrl.gateway.serving import ChatService, OpenStream
 from clawrl.gateway.sessions import SessionStore
 from clawrl.gateway.settings import GatewaySettings
+from clawrl.gateway.spool import RecordingSpool
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,15 @@ def create_redis(settings: GatewaySettings) -> Redis:
     )
 
 
+def open_spool(settings: GatewaySettings) -> RecordingSpool | None:
+    """The recording spool of this gateway: one directory per HTTP port, so a gateway restarted
+    on its port replays what it left, and two on one host never share one."""
+    if settings.sessions.spool_dir is None:
+        return None
+    directory = settings.sessions.spool_dir / f"port-{settings.serving.port}"
+    return RecordingSpool(directory, settings.sessions.spool_max_bytes)
+
+
 def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) -> GatewayApp:
     """The gateway app; `renderer` may be passed in to share one tokenizer load (tests)."""
     metrics = GatewayMetrics()  # this app's own registry
@@ -262,6 +272,8 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             idle_timeout_s=settings.sessions.idle_timeout_s,
             sweep_interval_s=settings.sessions.sweep_interval_s,
             sweep_batch=settings.sessions.sweep_batch,
+            spool=open_spool(settings),
+            replay_interval_s=settings.sessions.spool_replay_interval_s,
         )
         name = served_model_name(settings.model)
         window = context_length(settings.model, model_dir)
@@ -289,6 +301,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             drain_timeout_s=settings.control.drain_timeout_s,
         )
         sweeper = asyncio.create_task(recorder.sweep_forever(), name="idle-sweeper")
+        replayer = asyncio.create_task(recorder.replay_forever(), name="spool-replay")
         collector = GarbageCollection("gateway")
         collector.install(metrics.registry)
         frozen = collector.freeze()
@@ -322,6 +335,10 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
         finally:
             collector.uninstall(metrics.registry)
             sweeper.cancel()
+            replayer.cancel()
+            if recorder.spool is not None:
+                await recorder.replay_spool()  # what Redis takes now need not wait for a restart
+                recorder.spool.close()
             await control.stop(grace=2)
             await engine.aclose()
             await redis.aclose()

@@ -87,6 +87,36 @@ class GatewayMetrics:
             ["stage"],
             registry=r,
         )
+        # The recording spool (spool.py): calls Redis did not take, replayed when it is back.
+        self.spooled = Counter(
+            "clawrl_gateway_spooled_calls_total",
+            "Recording calls (record, finalize) kept in the local spool: Redis did not take "
+            "them, or earlier ones still waited there.",
+            ["op"],
+            registry=r,
+        )
+        self.spool_replayed = Counter(
+            "clawrl_gateway_spool_replayed_calls_total",
+            "Spooled recording calls that Redis took when replayed.",
+            ["op"],
+            registry=r,
+        )
+        self.spool_dropped = Counter(
+            "clawrl_gateway_spool_dropped_calls_total",
+            "Recording calls lost because the spool was full (sessions.spool_max_bytes).",
+            ["op"],
+            registry=r,
+        )
+        self.spool_entries = Gauge(
+            "clawrl_gateway_spool_entries",
+            "Recording calls waiting in the local spool.",
+            registry=r,
+        )
+        self.spool_bytes = Gauge(
+            "clawrl_gateway_spool_bytes",
+            "Size of the local spool on disk.",
+            registry=r,
+        )
         self.engine_errors = Counter(
             "clawrl_gateway_engine_errors_total",
             "Failed engine calls, by kind (unavailable, server_error, rejected, bad_reply, "

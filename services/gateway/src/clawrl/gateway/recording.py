@@ -1,7 +1,8 @@
 """Turning served main turns into `Turn` records: the pending turn is stored when a response is
 served, and finalised (put on the turns stream) by the session's next main request, by
 X-Session-Done, or by the idle sweep. Redis trouble never fails a request: the step is counted
-and logged, and recording resumes when Redis answers again (redis-py reconnects by itself)."""
+and logged, the script call waits in the local spool (spool.py), and it is replayed in order
+when Redis answers again (redis-py reconnects by itself)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from clawrl.gateway.sessions import (
     extend_hash,
     history_hashes,
 )
+from clawrl.gateway.spool import RecordingSpool, SpooledCall
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +162,13 @@ class Recorder:
         idle_timeout_s: float,
         sweep_interval_s: float,
         sweep_batch: int,
+        spool: RecordingSpool | None = None,
+        replay_interval_s: float = 1.0,
     ) -> None:
         self.store = store
         self.metrics = metrics
+        self.spool = spool
+        self.replay_interval_s = replay_interval_s
         self.gateway_id = gateway_id
         self.anonymous_matching = anonymous_matching
         self.idle_timeout_s = idle_timeout_s
@@ -246,33 +252,43 @@ class Recorder:
         else:
             turn = pending_turn(context.request_id, served)
             history_hash = extend_hash(context.hashes[-1], served.response_message)
+        call = SpooledCall("record", {
+            "request_id": context.request_id,
+            "session_id": context.session_id if context.explicit else None,
+            "scope": context.scope,
+            "arrived": context.arrived,
+            "now": time.time(),
+            "prefixes": context.prefixes if context.explicit or self.anonymous_matching else [],
+            "next_state": finalize_extra(
+                self.gateway_id, FinalizeReason.FINALIZE_REASON_NEXT_STATE, context.next_state
+            ),
+            "mismatch": MISMATCH,
+            "superseded": finalize_extra(
+                self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
+            ),
+            "new_session_id": context.session_id,
+            "turn": turn,
+            "history_hash": history_hash,
+            "done": finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
+            if context.done
+            else b"",
+        })  # fmt: skip
+        if self._queue_behind_spool(call):
+            return None
         try:
-            result = await self.store.record(
-                context.request_id,
-                context.session_id if context.explicit else None,
-                scope=context.scope,
-                arrived=context.arrived,
-                prefixes=context.prefixes if context.explicit or self.anonymous_matching else (),
-                next_state=finalize_extra(
-                    self.gateway_id, FinalizeReason.FINALIZE_REASON_NEXT_STATE, context.next_state
-                ),
-                mismatch=MISMATCH,
-                superseded=finalize_extra(
-                    self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
-                ),
-                new_session_id=context.session_id,
-                turn=turn,
-                history_hash=history_hash,
-                done=finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
-                if context.done
-                else b"",
-            )
+            result = await self._recorded(call)
         except RECORDING_ERRORS as exc:
             self._failed("record", exc, context.session_id)
+            self._spool(call)
             return None
         context.session_id = result.session_id
         if not context.explicit and result.ambiguous:
             self._ambiguous("new_session", context.session_id)
+        return result
+
+    async def _recorded(self, call: SpooledCall) -> Recorded:
+        """Run a record call (live or replayed) and count what it finalised."""
+        result = await self.store.record(**call.kwargs)
         if result.finalized_turn_id:
             self._finalized("next_state", result.finalized_turn_id)
             if result.history_mismatch:
@@ -281,7 +297,7 @@ class Recorder:
                     "turn %s finalised with history_mismatch: the next request's history does "
                     "not extend it",
                     result.finalized_turn_id,
-                    extra={"session_id": context.session_id},
+                    extra={"session_id": result.session_id},
                 )
         if result.superseded_turn_id:
             self._finalized("superseded", result.superseded_turn_id)
@@ -299,17 +315,82 @@ class Recorder:
 
     async def close(self, request_id: str, session_id: str) -> str | None:
         """X-Session-Done on a request that records nothing: finalise the pending turn."""
+        call = SpooledCall("finalize", {
+            "request_id": request_id,
+            "session_id": session_id,
+            "extra": finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE),
+        })  # fmt: skip
+        if self._queue_behind_spool(call):
+            return None
         try:
-            turn_id = await self.store.finalize(
-                request_id,
-                session_id,
-                finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE),
-            )
+            return await self._closed(call)
         except RECORDING_ERRORS as exc:
             self._failed("done", exc, session_id)
+            self._spool(call)
             return None
+
+    async def _closed(self, call: SpooledCall) -> str | None:
+        turn_id = await self.store.finalize(**call.kwargs)
         self._finalized("done", turn_id)
         return turn_id
+
+    # --- the spool: what Redis did not take, replayed in order --------------------------------
+
+    def _queue_behind_spool(self, call: SpooledCall) -> bool:
+        """While calls wait in the spool, a new one joins them (a session's calls must reach
+        Redis in order); True when it was queued (or dropped, the spool being full)."""
+        if self.spool is None or not len(self.spool):
+            return False
+        self._spool(call)
+        return True
+
+    def _spool(self, call: SpooledCall) -> None:
+        if self.spool is None:
+            return
+        session_id = call.kwargs.get("session_id") or call.kwargs.get("new_session_id")
+        if self.spool.append(call):
+            self.metrics.spooled.labels(call.op).inc()
+        else:
+            self.metrics.spool_dropped.labels(call.op).inc()
+            log.error("recording spool full (%d bytes): %s call of request %s dropped",
+                      self.spool.bytes, call.op, call.kwargs["request_id"],
+                      extra={"session_id": session_id})  # fmt: skip
+        self._spool_gauges()
+
+    def _spool_gauges(self) -> None:
+        if self.spool is not None:
+            self.metrics.spool_entries.set(len(self.spool))
+            self.metrics.spool_bytes.set(self.spool.bytes)
+
+    async def _replay_one(self, call: SpooledCall) -> None:
+        if call.op == "record":
+            result = await self._recorded(call)
+            if call.kwargs["turn"]:
+                self.metrics.turns_recorded.inc()
+            if result.claim_ambiguous:
+                self._ambiguous("claim", result.session_id)
+            if call.kwargs["done"]:
+                self._finalized("done", result.turn_id)
+        else:
+            await self._closed(call)
+        self.metrics.spool_replayed.labels(call.op).inc()
+
+    async def replay_spool(self) -> int:
+        """Replay spooled calls oldest first until Redis refuses one; how many went through."""
+        if self.spool is None or not len(self.spool):
+            return 0
+        replayed = await self.spool.replay(self._replay_one, RECORDING_ERRORS)
+        self._spool_gauges()
+        if replayed:
+            log.info("replayed %d spooled recording call(s); %d still waiting",
+                     replayed, len(self.spool))  # fmt: skip
+        return replayed
+
+    async def replay_forever(self) -> None:
+        self._spool_gauges()
+        while True:
+            await asyncio.sleep(self.replay_interval_s)
+            await self.replay_spool()
 
     async def sweep_once(self) -> int:
         """Finalise the pending turns of sessions idle past the timeout; how many."""

@@ -188,19 +188,22 @@ class SessionStore:
         turn: bytes = b"",
         history_hash: str = "",
         done: bytes = b"",
+        now: float | None = None,
     ) -> Recorded:
         """One main request in one round trip: resolve its session (by `prefixes` when it sent
         none: `new_session_id` when no live conversation of the caller matches), finalise the
         turn pending there (with `next_state`, or as superseded when it was stored after
         `arrived`), then store `turn` (none: the request failed) as pending, or publish it with
-        `done` appended. A failed request with `done` closes its session."""
+        `done` appended. A failed request with `done` closes its session. `now`: when the call
+        was made (a call replayed from the spool keeps its time, so the pending turn it stores
+        still precedes the next request's `arrived`)."""
         sid, tid, mismatched, ambiguous, turn_id, old, claim = await self._scripts["record"](
             keys=self._keys(request_id, "record"),
             args=[
                 self.prefix,
                 session_id or "",
                 scope,
-                time.time(),
+                time.time() if now is None else now,
                 self.ttl_s,
                 self.maxlen,
                 " ".join(prefixes),

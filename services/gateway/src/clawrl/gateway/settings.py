@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 
@@ -101,6 +102,27 @@ class SessionSettings(Section):
         description="How long a session script's result is kept under its request id, so a "
         "write the Redis client retries after a timeout is recognised and not applied twice "
         "(retries come within seconds; each main request keeps two such keys this long).",
+    )
+    spool_dir: Path | None = Field(
+        Path(tempfile.gettempdir()) / "clawrl-gateway-spool",
+        description="Where recording calls Redis did not take wait until it answers again "
+        "(a subdirectory per HTTP port; keep it on a volume that outlives the process: a "
+        "restarted gateway replays it). Empty: no spool, and turns served while Redis is "
+        "down are lost (counted as recording failures).",
+    )
+
+    @field_validator("spool_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value):
+        return None if value == "" else value
+
+    spool_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        gt=0,
+        description="Bound of the spool on disk; calls past it are dropped, counted and logged.",
+    )
+    spool_replay_interval_s: float = Field(
+        1.0, gt=0, description="How often a non-empty spool is replayed against Redis."
     )
 
 

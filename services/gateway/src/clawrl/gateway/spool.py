@@ -16,6 +16,7 @@ dropped, counted and logged (serving never stops for recording).
 from __future__ import annotations
 
 import base64
+import fcntl
 import logging
 import os
 from collections import deque
@@ -77,6 +78,15 @@ class RecordingSpool:
         self.path = self.directory / SPOOL_FILE
         self.max_bytes = max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One gateway per spool: two appending and replaying one file would interleave.
+        self._lock = open(self.directory / "lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"the recording spool {self.directory} is held by another gateway process"
+            ) from None
         self._calls: deque[tuple[SpooledCall, int]] = deque()
         self.bytes = 0
         self._load()
@@ -150,3 +160,4 @@ class RecordingSpool:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.close()  # releases the flock
