@@ -60,6 +60,16 @@ def test_job_for_a_version_runs_that_sync_and_is_a_valid_job():
     assert TEMPLATE["metadata"]["generateName"] == "clawrl-weight-sync-"  # not modified
 
 
+def test_the_job_of_a_lora_version_names_its_adapter():
+    ready = VersionReady(version=12, path="/ckpt/policy/v12", step=240, created_at=0.0,
+                         adapter="policy-v12")  # fmt: skip
+    job = build_job(TEMPLATE, ready, timeout_s=900, suffix="a1b2c3")
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "run", "--version", "12", "--path", "/ckpt/policy/v12",
+        "--job-id", "clawrl-weight-sync-v12-a1b2c3", "--adapter", "policy-v12",
+    ]  # fmt: skip
+
+
 def test_names_fit_kubernetes_limits():
     name = job_name("A_Very.Long-Release-Name-" * 4, 123456, "ffffff")
     assert len(name) <= 63 and name.endswith("-v123456-ffffff")
