@@ -37,9 +37,11 @@ from clawrl.simulate.report import per_version, plot, table, write_csv
 from clawrl.simulate.scenarios import SCENARIOS
 from clawrl.simulate.simulation import Progress, Simulation, SimulationConfig
 
-# Long enough for a list to show its line breaks, short enough for a 2-core machine: at 96
-# tokens SmolLM2-135M meets the preference about a third of the time (README).
+# Long enough for a list to show its line breaks, short enough for a 2-core machine. Measured on
+# SmolLM2-135M at v0 (README): 47 % of replies sampled at temperature 0.8 meet the preference at
+# 96 tokens (31-41 % at 128, 75-78 % at 64), and 19 % of greedy held-out replies.
 MAX_TOKENS = 96
+TEMPERATURE = 0.8
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="start no new session once a reply comes from this version",
     )
-    sim.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    sim.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature")
     sim.add_argument("--seed", type=int, default=0, help="seed of the questions")
     sim.add_argument(
         "--held-out",

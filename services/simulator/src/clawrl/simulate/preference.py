@@ -1,11 +1,11 @@
 """The simulated user's personal preference and what they say about each reply (pure functions).
 
 The preference: an answer in one paragraph, with no line breaks and no list. SmolLM2-135M meets
-it on about a third of open questions at v0 (README, "The demo that trends"), so both kinds of
-reply come up and a policy can learn which one this user wants. A reply that meets it only by
-saying next to nothing does not count: fewer than MIN_WORDS words, or text that repeats itself
-(a collapsed policy's loop), is a complaint too, so learning cannot reach the preference by
-collapsing into short or degenerate replies.
+it in 47 % of its replies to open questions at v0 (96 tokens, temperature 0.8; README, "The demo
+that trends"), so both kinds of reply come up and a policy can learn which one this user wants.
+A reply that meets it only by saying next to nothing does not count: fewer than MIN_WORDS
+words, or text that repeats itself (a collapsed policy's loop), is a complaint too, so learning
+cannot reach the preference by collapsing into short or degenerate replies.
 
 `verdict` is shared by the simulated user (its next message) and by `clawrl eval` (the held-out
 score), so the live reward and the held-out score measure the same thing.
