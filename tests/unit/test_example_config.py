@@ -54,6 +54,7 @@ def test_the_trainer_reads_its_sections() -> None:
         0.28,
         0.98,
     )
-    assert settings.checkpoint.keep_versions == 3
+    assert settings.checkpoint.keep_versions == 5
+    assert settings.lora.enabled is False and settings.lora.rank == 16
     assert settings.train.micro_batch_tokens == 2048
     assert settings.weight_sync.transport == "disk"

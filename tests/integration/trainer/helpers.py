@@ -54,7 +54,7 @@ def settings_for(redis_url: str, checkpoint_dir: Path, **sections) -> TrainerSet
 
 
 async def start_trainer(settings: TrainerSettings, redis: Redis) -> Trainer:
-    backend = InProcess(TorchBackend(settings.train, settings.ppo))
+    backend = InProcess(TorchBackend(settings.train, settings.ppo, settings.model, settings.lora))
     return await build_trainer(settings, backend, redis, TrainerMetrics())
 
 

@@ -77,7 +77,7 @@ def test_old_logprobs_match_the_engine_and_exports_round_trip(url: str, tmp_path
     store = CheckpointStore(CheckpointSettings(dir=tmp_path))
     staged = store.staging("v1")
     backend.export_hf(staged)
-    export = store.commit_export(staged, 1)
+    export = store.commit_export(staged, 1, announced=None)
 
     # transformers reloads it with the trainer's logits
     reloaded = AutoModelForCausalLM.from_pretrained(export)

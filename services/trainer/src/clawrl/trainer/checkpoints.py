@@ -3,6 +3,7 @@
     {dir}/state/step-000012/   backend.pt (weights, optimizer, RNG) + trainer.json (TrainerState)
     {dir}/state/LATEST         the name of the newest complete state
     {dir}/policy/v3/           HF safetensors + config + tokenizer of policy version 3
+                               (with LoRA: the PEFT adapter, adapter_config.json + safetensors)
 
 Everything is written into a `.tmp-*` sibling, flushed to disk, then renamed: a reader (the
 trainer after a crash, an engine loading v3) sees a whole directory or none. A state is durable
@@ -16,6 +17,7 @@ import logging
 import os
 import shutil
 from collections import deque
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,6 +59,11 @@ class TrainedIds:
 
     def as_list(self) -> list[str]:
         return list(self._order)
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A PEFT adapter directory (LoRA export), rather than a full HF model."""
+    return (Path(path) / "adapter_config.json").is_file()
 
 
 def fsync_tree(path: Path) -> None:
@@ -125,11 +132,14 @@ class CheckpointStore:
 
     # --- exports ---------------------------------------------------------------------------------
 
-    def commit_export(self, tmp: Path, version: int) -> Path:
-        """Make the staged HF directory policy/v{version}; keep the last `keep_versions`."""
+    def commit_export(self, tmp: Path, version: int, *, announced: int | None) -> Path:
+        """Make the staged directory policy/v{version}; keep the last `keep_versions`, and never
+        prune the `announced` version nor the one before it: engines serve them (or are still
+        loading them) until the sync of the new version is done, and a failed sync rolls back."""
         final = self.policies / f"v{version}"
         self._replace(tmp, final)
-        self._prune(self.policies, "v", self.settings.keep_versions)
+        spare = set() if announced is None else {announced, announced - 1}
+        self._prune(self.policies, "v", self.settings.keep_versions, spare)
         return final
 
     def announced_path(self, path: Path) -> str:
@@ -151,7 +161,7 @@ class CheckpointStore:
         _fsync_dir(final.parent)
 
     @staticmethod
-    def _prune(parent: Path, prefix: str, keep: int) -> None:
+    def _prune(parent: Path, prefix: str, keep: int, spare: Collection[int] = ()) -> None:
         def number(p: Path) -> int:
             return int(p.name[len(prefix) :])
 
@@ -161,4 +171,5 @@ class CheckpointStore:
             key=number,
         )  # fmt: skip
         for old in entries[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if number(old) not in spare:
+                shutil.rmtree(old, ignore_errors=True)

@@ -112,4 +112,4 @@ def start_backend(settings: TrainerSettings) -> BackendHandle:
         num_gpus=settings.ray.actor_num_gpus,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
     )
-    return ActorGroup([remote.remote(settings.train, settings.ppo, settings.model)])
+    return ActorGroup([remote.remote(settings.train, settings.ppo, settings.model, settings.lora)])

@@ -141,6 +141,30 @@ class TrainSettings(Section):
     )
 
 
+# The seven projections of a Llama/Qwen decoder layer: attention and MLP.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSettings(Section):
+    """LoRA training (peft): only the adapter is trained and exported, the base stays frozen."""
+
+    enabled: bool = Field(
+        False,
+        description="Train a LoRA adapter instead of every weight; each version is exported as "
+        "a PEFT adapter directory (the engines load it with /load_lora_adapter). torch backend "
+        "only.",
+    )
+    rank: int = Field(16, gt=0, description="LoRA rank r.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGET_MODULES),
+        min_length=1,
+        description="Names of the linear layers that get an adapter (the engines' "
+        "--lora-target-modules must include them).",
+    )
+
+
 class ConsumerSettings(Section):
     """How the trainer reads clawrl:samples (consumer group `trainers`)."""
 
@@ -185,7 +209,13 @@ class CheckpointSettings(Section):
         description="Save a resumable state every this many steps (and at every export); a "
         "step's samples are acknowledged on the stream only once a state includes it.",
     )
-    keep_versions: int = Field(3, gt=0, description="Exported policy versions kept.")
+    keep_versions: int = Field(
+        5,
+        gt=0,
+        description="Exported policy versions kept: at least rollout.max_staleness + 1, so "
+        "every version whose samples may still be trained stays loadable (a rollback, a late "
+        "load); the announced version and the one before it are never pruned.",
+    )
     keep_states: int = Field(2, gt=0, description="Resumable states kept.")
     hold_before_ack_step: int | None = Field(
         None,
@@ -271,6 +301,7 @@ class TrainerSettings(ClawrlSettings):
     combine: CombineSettings = Field(default_factory=CombineSettings)
     ppo: PPOSettings = Field(default_factory=PPOSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
     consumer: ConsumerSettings = Field(default_factory=ConsumerSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
@@ -281,6 +312,17 @@ class TrainerSettings(ClawrlSettings):
     gateways: GatewayTargets = Field(default_factory=GatewayTargets)
     engines: EngineTargets = Field(default_factory=EngineTargets)
     sync: SyncSettings = Field(default_factory=SyncSettings)
+
+    @model_validator(mode="after")
+    def _check_versions_kept(self) -> TrainerSettings:
+        floor = self.rollout.max_staleness + 1
+        if self.checkpoint.keep_versions < floor:
+            raise ValueError(
+                f"checkpoint.keep_versions ({self.checkpoint.keep_versions}) must be at least "
+                f"rollout.max_staleness + 1 ({floor}): an engine may still serve, or a rollback "
+                "may need, any version whose samples are still trained"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_transport(self) -> TrainerSettings:

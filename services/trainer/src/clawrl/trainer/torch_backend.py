@@ -7,6 +7,11 @@ Exports are written in the compute dtype, which is what the engines serve.
 
 Only the response rows of the last hidden state go through the output layer: a [b, R, V] logits
 tensor instead of [b, L, V], which is most of the memory of a step at a 49k vocabulary.
+
+With `[lora] enabled` the model is wrapped by peft: the base weights are frozen, only the
+adapter is in the optimizer and in the saved states, and an export is a PEFT adapter directory
+(adapter_config.json + adapter_model.safetensors) that engines load beside the base. The KL
+reference is then the same model with its adapter disabled: no second copy of the base.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
@@ -38,7 +44,7 @@ from clawrl.trainer.losses import (
     entropy_from_logits,
     token_logprobs,
 )
-from clawrl.trainer.settings import PPOSettings, TrainSettings
+from clawrl.trainer.settings import LoraSettings, PPOSettings, TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +79,15 @@ class TorchBackend:
     """`backend.TrainerBackend` on HF transformers (see the module docstring)."""
 
     def __init__(
-        self, train: TrainSettings, ppo: PPOSettings, model: ModelSettings | None = None
+        self,
+        train: TrainSettings,
+        ppo: PPOSettings,
+        model: ModelSettings | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.train = train
         self.ppo = ppo
+        self.lora = lora or LoraSettings()
         # Only its context length and RoPE scaling: a context beyond the model's is served with
         # stretched RoPE, and log-probs for PPO's ratios must be computed with the same stretch.
         self.model_settings = model or ModelSettings()
@@ -108,15 +119,33 @@ class TorchBackend:
     def load(self, model_dir: Path, *, load_reference: bool) -> None:
         self.model_dir = Path(model_dir)
         self.model = self._load_model(self.model_dir)
-        self.model.train()
-        if load_reference:
+        if self.lora.enabled:
+            # Freezes the base; the reference (kl_coef > 0) is this model with the adapter off.
+            self.model = get_peft_model(self.model, self._lora_config())
+        elif load_reference:
             self.reference = self._load_model(self.model_dir).eval().requires_grad_(False)
+        self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self._trainable().values(),
             lr=self.ppo.lr,
             betas=(self.ppo.beta1, self.ppo.beta2),
             weight_decay=self.ppo.weight_decay,
         )
+
+    def _lora_config(self) -> LoraConfig:
+        return LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            task_type="CAUSAL_LM",
+            # Written into every export's adapter_config.json: the base it was trained on.
+            base_model_name_or_path=str(self.model_dir),
+        )
+
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the optimizer steps (all of them, or only the adapter's), by name."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
 
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
@@ -141,9 +170,15 @@ class TorchBackend:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, which: Which = "policy") -> Tensor:
+        if which == "reference" and self.lora.enabled:
+            with self.model.disable_adapter():  # the base model is the reference
+                return self._logprobs(self.model, batch)
         model = self.model if which == "policy" else self.reference
         if model is None:
             raise RuntimeError("the reference model is not loaded (ppo.kl_coef is 0)")
+        return self._logprobs(model, batch)
+
+    def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         was_training = model.training
         model.eval()  # no dropout: old log-probs must be those of the deterministic policy
         out = torch.zeros(batch.size, batch.response_width)
@@ -209,6 +244,9 @@ class TorchBackend:
     # --- files -----------------------------------------------------------------------------------
 
     def export_hf(self, path: Path) -> None:
+        if self.lora.enabled:
+            self._export_adapter(path)
+            return
         weights = {k: v.to(self.dtype) for k, v in self.model.state_dict().items()}
         self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
         if self.dtype != torch.float32:
@@ -220,17 +258,51 @@ class TorchBackend:
             if source.is_file():
                 shutil.copy2(source, Path(path) / name)
 
+    def _export_adapter(self, path: Path) -> None:
+        """The adapter alone, in the compute dtype, as peft writes it (SGLang's
+        /load_lora_adapter reads adapter_config.json + adapter_model.safetensors)."""
+        weights = {name: p.detach().to(self.dtype) for name, p in self._trainable().items()}
+        self.model.save_pretrained(
+            path, state_dict=weights, safe_serialization=True, save_embedding_layers=False
+        )
+
     def save_state(self, path: Path) -> None:
         # One torch file: exact (tied weights, optimizer moments, RNG), read back only by us.
+        # With LoRA only the adapter: the frozen base is the model directory itself.
+        weights = (
+            {name: p.detach() for name, p in self._trainable().items()}
+            if self.lora.enabled
+            else self.model.state_dict()
+        )
         state = {
-            "model": self.model.state_dict(),
+            "model": weights,
+            "lora": self.lora.enabled,
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
         }
+        if self.device.type == "cuda":  # LoRA dropout on a GPU draws from CUDA's generator
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         torch.save(state, Path(path) / "backend.pt")
 
     def load_state(self, path: Path) -> None:
         state = torch.load(Path(path) / "backend.pt", map_location=self.device)
-        self.model.load_state_dict(state["model"])
+        saved_lora = state.get("lora", False)
+        if saved_lora != self.lora.enabled:
+            kind = "a LoRA adapter" if saved_lora else "full weights"
+            raise ValueError(
+                f"the state in {path} holds {kind}, but lora.enabled is {self.lora.enabled}: "
+                "resume with the settings it was trained with, or start a new checkpoint.dir"
+            )
+        if self.lora.enabled:
+            loaded = self.model.load_state_dict(state["model"], strict=False)
+            if loaded.unexpected_keys or set(state["model"]) != set(self._trainable()):
+                raise ValueError(
+                    f"the adapter in {path} does not match [lora] target_modules "
+                    f"{self.lora.target_modules}: resume with the settings it was trained with"
+                )
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)

@@ -26,8 +26,8 @@ from redis.asyncio import Redis
 
 from clawrl.common.logs import log_context
 from clawrl.common.streams import GroupConsumer
-from clawrl.common.versions import VersionReady, announce, latest
-from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState
+from clawrl.common.versions import VersionReady, adapter_name, announce, latest
+from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState, is_adapter_dir
 from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
 from clawrl.trainer.losses import (
@@ -243,7 +243,10 @@ class Trainer:
         """Write policy/v{version}; it is announced once the state that includes it commits."""
         tmp = self.store.staging(f"v{version}")
         await self.backend.call("export_hf", tmp)
-        path = self.store.commit_export(tmp, version)
+        announced = await latest(self.redis, self.settings.redis.versions_stream)
+        path = self.store.commit_export(
+            tmp, version, announced=announced.version if announced else None
+        )
         self.state.policy_version = version
         self.unannounced = self._ready(version, path)
 
@@ -270,8 +273,11 @@ class Trainer:
                 await self.sync(ready)
 
     def _ready(self, version: int, path) -> VersionReady:
+        # What the backend wrote decides how engines load it: a LoRA adapter, or full weights.
+        adapter = adapter_name(version) if is_adapter_dir(path) else ""
         return VersionReady(version=version, path=self.store.announced_path(path),
-                            step=self.state.step, created_at=time.time())  # fmt: skip
+                            step=self.state.step, created_at=time.time(),
+                            adapter=adapter)  # fmt: skip
 
     async def _announce(self, ready: VersionReady) -> None:
         await announce(self.redis, self.settings.redis.versions_stream, ready)

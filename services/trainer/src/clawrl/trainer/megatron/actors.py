@@ -69,8 +69,19 @@ def _rendezvous() -> tuple[str, int]:
     return node_address(), free_port()
 
 
+def refuse_lora(settings: TrainerSettings) -> None:
+    """Megatron-core has no LoRA of its own: refuse at start rather than train every weight."""
+    if settings.lora.enabled:
+        raise ValueError(
+            "lora.enabled needs train.backend=torch: Megatron-core has no LoRA of its own, so "
+            "the megatron backend can only train (and export) full weights; set "
+            "lora.enabled=false or train.backend=torch"
+        )
+
+
 def start_actors(settings: TrainerSettings) -> list:
     """One `MegatronRank` actor per TP rank, in one placement group; rank 0 first."""
+    refuse_lora(settings)
     cfg = rank_config(settings)
     check_layout(settings, resolve_model_dir(settings.model))
     bundles = trainer_bundles(cfg.tp, settings.ray.actor_num_cpus, settings.ray.actor_num_gpus)
