@@ -180,3 +180,28 @@ def test_an_adapter_of_another_model_is_refused(tiny, tmp_path):
     save_file(weights, str(path / "adapter_model.safetensors"))
     with pytest.raises(LoraError, match=r"lora_A is \(8, 999\), the model needs \[r, 64\]"):
         prepare(tiny, path)
+
+
+def test_the_runner_is_bare_again_once_its_last_adapter_is_removed(tiny, tmp_path):
+    from clawrl.engine.cpu.runner import ModelRunner
+
+    model_dir, _ = tiny
+    runner = ModelRunner(model_dir)
+    ids = [1, 5, 9, 33, 2, 7]
+    with torch.inference_mode():
+        before = runner.extend(None, 0, ids).last_logits
+        runner.add_adapter("k1", prepare(tiny, make_adapter(model_dir, tmp_path / "a", scale=0.5)))
+        tuned = runner.extend(None, 0, ids, "k1").last_logits
+        base_beside = runner.extend(None, 0, ids).last_logits
+        runner.remove_adapter("k1")
+        after = runner.extend(None, 0, ids).last_logits
+    assert not torch.allclose(tuned, before, atol=1e-3)
+    assert torch.allclose(base_beside, before, atol=1e-5)
+    assert torch.equal(after, before)
+    assert not any("lora" in name for name, _ in runner.decoder.named_modules())
+    # The weights a full update writes into are still the ones the decoder computes with.
+    state = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    state["model.norm.weight"] *= 2
+    runner.load_weights({"model.norm.weight": state["model.norm.weight"]})
+    with torch.inference_mode():
+        assert not torch.allclose(runner.extend(None, 0, ids).last_logits, before, atol=1e-3)
