@@ -37,6 +37,8 @@ import status
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# AdamW's step for LoRA on SmolLM2-135M in the preference demo (README, "The demo that trends").
+LORA_LR = 5e-4
 
 
 def port_open(port: int) -> bool:
@@ -133,7 +135,11 @@ class Stack:
             time.sleep(0.5)
 
 
-def engine_argv(model: str, port: int, torch_threads: int) -> list[str]:
+def engine_argv(model: str, port: int, torch_threads: int, lora_rank: int = 0) -> list[str]:
+    """The CPU engine's command; with lora_rank it serves the trainer's adapters beside the base
+    model (SGLang's LoRA flags), a new version loaded with no pause."""
+    lora = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras-per-batch", "4",
+            "--lora-target-modules", "all"]  # fmt: skip
     return [
         str(BIN / "clawrl-engine"),
         "--host",
@@ -144,7 +150,29 @@ def engine_argv(model: str, port: int, torch_threads: int) -> list[str]:
         model,
         "--torch-threads",
         str(torch_threads),
+        *(lora if lora_rank else []),
     ]
+
+
+def training_env(args: argparse.Namespace) -> dict[str, str]:
+    """The trainer's recipe from stack.py's flags (the trainer reads CLAWRL_* settings). Unset
+    flags leave the setting to clawrl.toml or the environment."""
+    env = {"CLAWRL_TRAIN__NUM_THREADS": str(args.torch_threads)}
+    if args.lora_rank:
+        env |= {
+            "CLAWRL_LORA__ENABLED": "true",
+            "CLAWRL_LORA__RANK": str(args.lora_rank),
+            "CLAWRL_LORA__ALPHA": str(args.lora_alpha),
+        }
+    lr = args.lr if args.lr is not None else (LORA_LR if args.lora_rank else None)
+    if lr is not None:
+        env["CLAWRL_PPO__LR"] = str(lr)
+    if args.baseline == "batch":
+        # Live traffic asks each prompt once: the batch's mean reward is the baseline.
+        env |= {"CLAWRL_ADVANTAGE__NORMALIZE_GROUPS": "true", "CLAWRL_ADVANTAGE__GROUP_BY": "batch"}
+    elif args.baseline == "none":
+        env["CLAWRL_ADVANTAGE__NORMALIZE_GROUPS"] = "false"
+    return env
 
 
 def default_torch_threads() -> int:
@@ -172,7 +200,7 @@ def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> No
          "--batch-size", str(args.batch_size), "--sync-interval", str(args.sync_interval),
          "--metrics-port", str(args.trainer_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.trainer_metrics_port}/metrics"),
-        env={"CLAWRL_TRAIN__NUM_THREADS": str(args.torch_threads)},
+        env=training_env(args),
     )  # fmt: skip
     stack.start(
         "weight sync",
@@ -203,11 +231,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--reward-fn",
         help="rl mode with this reward plug-in (module:function), e.g. "
-        "clawrl.judge.reward_examples:arithmetic_confirmed for `clawrl simulate`; unset: the "
+        "clawrl.judge.reward_examples:stated_preference for `clawrl simulate`; unset: the "
         "judge's mode and reward from clawrl.toml ([judging])",
     )
     parser.add_argument(
         "--batch-size", type=int, default=8, help="trainable samples per trainer step"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=16,
+        help="train and serve a LoRA adapter of this rank on all seven projections (each new "
+        "version loaded by the engines with no pause); 0: full fine-tuning (a paused sync)",
+    )
+    parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        help=f"trainer learning rate (ppo.lr); default {LORA_LR} with LoRA, else clawrl.toml's",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("batch", "none", "config"),
+        default="batch",
+        help="advantage: batch = each reward minus the batch's mean, over its std (live "
+        "traffic samples each prompt once); none = the reward itself; config = clawrl.toml's",
     )
     parser.add_argument(
         "--sync-interval", type=int, default=1, help="steps between policy versions (syncs)"
@@ -285,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         stack.start(
             "policy engine",
-            engine_argv(args.policy_model, args.policy_port, args.torch_threads),
+            engine_argv(args.policy_model, args.policy_port, args.torch_threads, args.lora_rank),
             lambda: http_ok(f"http://127.0.0.1:{args.policy_port}/health"),
         )
         stack.start(

@@ -1,16 +1,21 @@
-"""A learning run of `clawrl simulate` on the whole local stack (`make run`'s processes) with
-SmolLM2-135M: the simulated user asks arithmetic word problems, the judge rewards answers with
-`arithmetic_confirmed`, the trainer steps and the weight syncs advance the policy. Prints the
-per-version table (accuracy, judged reward) and how many steps in how many minutes, and writes
-the CSV and PNG (to docs/ with --docs). Asserts nothing.
+"""The demo that trends: `make run`'s stack (its defaults: a LoRA adapter of SmolLM2-135M,
+lr 5e-4, the batch's mean reward as baseline, the judge's `stated_preference`) driven by
+`clawrl simulate`: the simulated user asks open questions, wants one paragraph and says so; the
+trainer steps and each version is loaded with no pause. Prints the per-version table (the
+user's check, the judged reward, the held-out score), the goal's two figures (mean reward of the
+last 3 versions vs v0, held-out score of the final version vs v0) and writes the CSV and PNG (to
+docs/ with --docs). Asserts nothing.
 
-    .venv/bin/python tests/bench/bench_learning.py [--minutes 20] [--until-version 5] [--docs]
+    .venv/bin/python tests/bench/bench_learning.py [--minutes 20] [--seed 0] [--docs]
+    .venv/bin/python tests/bench/bench_learning.py --stack-args="--lora-rank 0 --lr 1e-5"
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,26 +34,52 @@ NAMES = ("gateway", "grpc", "policy", "judge", "redis", "prometheus", "judge-grp
          "judge-metrics", "trainer-metrics", "sync-metrics")  # fmt: skip
 
 
+def goal(csv_path: Path) -> str:
+    """The issue's two figures from the simulator's CSV: mean reward of the last 3 versions with
+    a reward vs v0's, held-out score of the final evaluated version vs v0's."""
+    rows = list(csv.DictReader(csv_path.open()))
+    rewarded = [(int(r["policy_version"]), float(r["reward_mean"])) for r in rows
+                if r["reward_mean"]]  # fmt: skip
+    scored = [(int(r["policy_version"]), float(r["held_out_score"])) for r in rows
+              if r.get("held_out_score")]  # fmt: skip
+    lines = []
+    if rewarded and rewarded[0][0] == 0 and len(rewarded) >= 4:
+        last = [reward for _, reward in rewarded[-3:]]
+        gain = sum(last) / 3 - rewarded[0][1]
+        lines.append(f"reward: v0 {rewarded[0][1]:+.3f}, last 3 versions "
+                     f"{sum(last) / 3:+.3f} (gain {gain:+.3f}, goal >= +0.3)")  # fmt: skip
+    if scored and scored[0][0] == 0 and len(scored) >= 2:
+        gain = scored[-1][1] - scored[0][1]
+        lines.append(f"held-out: v0 {scored[0][1]:.3f}, v{scored[-1][0]} {scored[-1][1]:.3f} "
+                     f"(gain {gain:+.3f}, goal >= +0.2)")  # fmt: skip
+    return "\n".join(lines) or "too few versions for the goal's figures"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--minutes", type=float, default=20.0, help="simulation time limit")
-    parser.add_argument("--until-version", type=int, default=5)
+    parser.add_argument(
+        "--minutes", type=float, default=20.0, help="from the stack's start to the last session"
+    )
+    parser.add_argument("--until-version", type=int, help="or stop at this version")
+    parser.add_argument("--seed", type=int, default=0, help="the simulated user's seed")
+    parser.add_argument("--scenario", default="preference", choices=("preference", "arithmetic"))
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", default="1e-5", help="trainer learning rate (ppo.lr)")
+    parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
     parser.add_argument("--docs", action="store_true", help="copy the CSV and PNG to docs/")
     args = parser.parse_args()
+    started = time.monotonic()
     ports = {name: free_port() for name in NAMES}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-learning-"))
-    env = {**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml", "CLAWRL_PPO__LR": args.lr}
+    env = {**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml"}
+    reward_fn = {"preference": "stated_preference", "arithmetic": "arithmetic_confirmed"}
     log = (run_dir / "stack.log").open("wb")
     stack = subprocess.Popen(
         [sys.executable, str(REPO / "deploy/local/stack.py"),
          "--policy-model", args.model, "--judge-model", "smollm2-tiny",
          *[arg for name in NAMES for arg in (f"--{name}-port", str(ports[name]))],
-         "--reward-fn", "clawrl.judge.reward_examples:arithmetic_confirmed",
-         "--batch-size", str(args.batch_size), "--sync-interval", "1", "--run-dir", str(run_dir)],
+         "--reward-fn", f"clawrl.judge.reward_examples:{reward_fn[args.scenario]}",
+         "--run-dir", str(run_dir), *shlex.split(args.stack_args)],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     try:
@@ -65,27 +96,33 @@ def main() -> None:
             if time.monotonic() > deadline:
                 sys.exit(f"the stack did not start: see {run_dir / 'stack.log'}")
             time.sleep(1)
+        print(f"stack up after {time.monotonic() - started:.0f}s", flush=True)
         out = run_dir / "simulate"
+        until = ["--until-version", str(args.until_version)] if args.until_version else []
         simulate = subprocess.Popen(
             [sys.executable, "-m", "clawrl.simulate.main", "simulate",
              "--base-url", f"http://127.0.0.1:{ports['gateway']}/v1",
              "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
+             "--scenario", args.scenario, "--seed", str(args.seed),
              "--sessions", "0", "--turns", "3", "--concurrency", str(args.concurrency),
-             "--until-version", str(args.until_version), "--out-dir", str(out)],
+             *until, "--out-dir", str(out)],
             env=env,
         )  # fmt: skip
         try:
-            simulate.wait(timeout=args.minutes * 60)
+            simulate.wait(timeout=max(60.0, started + args.minutes * 60 - time.monotonic()))
         except subprocess.TimeoutExpired:
             simulate.send_signal(signal.SIGINT)  # stop starting sessions, then report
             simulate.wait(timeout=600)
+        [made_csv] = out.glob("simulate-*.csv")
+        print(goal(made_csv))
         if args.docs:
             docs = REPO / "docs"
             docs.mkdir(exist_ok=True)
             for suffix in ("csv", "png"):
                 [made] = out.glob(f"simulate-*.{suffix}")
-                shutil.copy(made, docs / f"learning-{args.model}.{suffix}")
-                print(f"wrote {docs / f'learning-{args.model}.{suffix}'}")
+                target = docs / f"learning-{args.model}-seed{args.seed}.{suffix}"
+                shutil.copy(made, target)
+                print(f"wrote {target}")
         print((run_dir / "stack.log").read_text().splitlines()[-1])
     finally:
         stack.send_signal(signal.SIGTERM)
