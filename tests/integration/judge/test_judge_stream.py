@@ -99,6 +99,22 @@ async def test_a_turn_generated_across_a_weight_sync_is_masked_as_mixed(redis: R
         assert list(found[trained].loss_mask) == [1.0, 1.0, 1.0]
 
 
+async def test_a_turn_of_unknown_weights_is_masked(redis: Redis, url) -> None:
+    """A turn the gateway marked unknown_weights (the engine reported weights of no known
+    version, e.g. restarted on its base model) is never trained as a version."""
+    settings = judge_settings(url, judging={"mode": "rl", **BANANA})
+    reply = [{"role": "user", "content": "ok"}]
+    turns = [make_turn("u", i, response="I like banana", next_state=reply) for i in range(2)]
+    turns[0].unknown_weights = True
+    turns[0].weight_version = "default"
+    await put_turns(redis, settings, turns)
+    async with running(settings, serve=False):
+        found = {s.sample_id: s for s in await wait_samples(redis, settings, 2)}
+    assert found["u:0"].mask_reason == MaskReason.MASK_REASON_UNKNOWN_VERSION
+    assert list(found["u:0"].loss_mask) == [0.0, 0.0, 0.0]
+    assert found["u:1"].mask_reason == MaskReason.MASK_REASON_UNSPECIFIED
+
+
 async def test_redelivered_turn_yields_no_second_sample(redis: Redis, url) -> None:
     settings = judge_settings(
         url, judging={"reward_fn": ENDS_WITH, "reward_fn_args": {"word": "x"}}

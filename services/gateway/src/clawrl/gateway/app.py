@@ -205,11 +205,18 @@ async def initial_policy_version(settings: GatewaySettings, engine: SGLangClient
     (a replica restarted after a weight sync then starts at the right version), else 0."""
     if settings.control.initial_policy_version is not None:
         return settings.control.initial_policy_version
+    version = await engine_policy_version(engine)
+    return 0 if version is None else version
+
+
+async def engine_policy_version(engine: SGLangClient) -> int | None:
+    """The engine's weight_version when it is an integer; None when it names its weights
+    otherwise or does not answer within 5 s."""
     try:
         info = await asyncio.wait_for(engine.get_model_info(), 5)
         return int(info.get("weight_version"))
     except (EngineError, TimeoutError, TypeError, ValueError):
-        return 0
+        return None
 
 
 def create_redis(settings: GatewaySettings) -> Redis:
@@ -255,6 +262,8 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             policy_version=initial.policy_version,
             adapter=initial.adapter,
             lease_s=settings.control.lease_s,
+            base_version=settings.control.initial_policy_version or 0,
+            engine_version=lambda: engine_policy_version(engine),
         )
         store = SessionStore(
             redis,

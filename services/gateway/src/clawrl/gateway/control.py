@@ -14,9 +14,12 @@ Retry-After.
 
 A pause is a lease: it ends by itself after `lease_s` unless its holder renews it (Pause again
 with the same holder), so a sync job that dies (even by SIGKILL) never leaves serving paused.
-An expired lease resumes on the current version, is counted and logged. While one holder's lease
-runs, a Pause from another holder is refused (two syncs must never interleave). Resume is
-idempotent: on a gateway that is not paused it only sets the version.
+An expired lease resumes on the version the engine reports (a job may have died between its
+load and its Resume: the gateway then follows the engines, never stays behind them; the current
+version when the engine's is not an integer or it does not answer), is counted and logged.
+While one holder's lease runs, a Pause or a Resume from another holder is refused (two syncs
+must never interleave). Resume is idempotent: on a gateway that is not paused it only sets the
+version.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -53,6 +56,7 @@ class Admission:
 
     policy_version: int
     adapter: str = ""  # LoRA adapter to generate with (SGLang's lora_path); "" = full weights
+    pauses: int = 0  # the gate's pause count then: a pause since may have retracted it
 
 
 class PauseGate:
@@ -67,11 +71,17 @@ class PauseGate:
         policy_version: int = 0,
         adapter: str = "",
         lease_s: float = 30.0,
+        base_version: int = 0,
+        engine_version: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.hold_timeout_s = hold_timeout_s
         self.retry_after_s = retry_after_s
         self.default_lease_s = lease_s
+        self.base_version = base_version  # what weights the engine names (not a number) are
+        self.engine_version = engine_version  # the engine's integer version, for lease expiry
+        self.pauses = 0  # pauses begun: a generation that saw one may have been retracted
+        self._expiring: asyncio.Task | None = None
         self.paused = False
         self.paused_at = 0.0
         self.holder = ""
@@ -103,7 +113,7 @@ class PauseGate:
         adapter the generation runs under."""
         if self.paused:
             await self._hold()
-        admission = Admission(self.policy_version, self.adapter)
+        admission = Admission(self.policy_version, self.adapter, self.pauses)
         self.in_flight += 1
         self.in_flight_by_adapter[admission.adapter] += 1
         self._drained.clear()
@@ -154,6 +164,7 @@ class PauseGate:
                 f"{self.lease_remaining_s():.1f}s"
             )
         if not self.paused:
+            self.pauses += 1
             self.paused = True
             self.paused_at = time.monotonic()
             self.holder = holder
@@ -176,14 +187,34 @@ class PauseGate:
     def _expire(self) -> None:
         self._expiry = None
         self.metrics.pause_lease_expiries.inc()
+        self._expiring = asyncio.get_running_loop().create_task(self._end_expired(self.holder))
+
+    async def _end_expired(self, holder: str) -> None:
+        """Resume an expired pause on the engine's version: its holder may have died after the
+        engines loaded a new version, and a gateway left behind them would label its turns
+        with the old one."""
+        version = await self.engine_version() if self.engine_version is not None else None
+        if not self.paused or self.holder != holder or self._expiry is not None:
+            return  # resumed or renewed meanwhile
+        if version is None:
+            outcome = "unknown"
+        else:
+            outcome = "same" if version == self.policy_version else "adopted"
+        self.metrics.lease_version_adoptions.labels(outcome=outcome).inc()
         log.warning(
-            "pause lease of %s expired after %.1fs without renewal; resuming on policy version %d",
-            self.holder or "an anonymous holder",
+            "pause lease of %s expired after %.1fs without renewal; resuming on policy version "
+            "%d (%s)",
+            holder or "an anonymous holder",
             self.paused_for_s(),
-            self.policy_version,
-            extra={"policy_version": self.policy_version},
+            self.policy_version if version is None else version,
+            {
+                "unknown": "the engine's version is unknown: kept the current one",
+                "same": "the engine's",
+                "adopted": f"the engine's; was {self.policy_version}",
+            }[outcome],
+            extra={"policy_version": self.policy_version if version is None else version},
         )
-        self.resume(None)
+        self.resume(version)
 
     def resume(self, policy_version: int | None) -> int:
         """Release held work (a no-op apart from the version when not paused); returns how many
@@ -262,6 +293,14 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
     async def Resume(self, request, context):
         if request.policy_version < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "policy_version must be >= 0")
+        if self.gate.paused and request.holder and request.holder != self.gate.holder:
+            self.gate.metrics.pause_refusals.inc()
+            message = (
+                f"paused by {self.gate.holder or 'an anonymous holder'}, not {request.holder}: "
+                "only the holder of a pause resumes it"
+            )
+            log.warning("resume refused: %s", message)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
         # 0 is proto3's "not set": keep the current version.
         released = self.gate.resume(request.policy_version or None)
         log.info(

@@ -148,11 +148,24 @@ class GatewayMetrics:
         )
         self.pause_refusals = Counter(
             "clawrl_gateway_pause_refusals_total",
-            "Pause calls refused because another holder's lease was running.",
+            "Pause (or Resume) calls refused because another holder's lease was running.",
             registry=r,
         )
         self.policy_version = Gauge(
             "clawrl_gateway_policy_version", "Policy version now served.", registry=r
+        )
+        self.unknown_weight_turns = Counter(
+            "clawrl_gateway_unknown_weight_turns_total",
+            "Main turns the engine served with weights of no known version (e.g. restarted on "
+            "its base model after a sync): recorded as unknown_weights, never trained.",
+            registry=r,
+        )
+        self.lease_version_adoptions = Counter(
+            "clawrl_gateway_lease_version_adoptions_total",
+            "Expired pause leases resumed on the engine's version, by outcome (adopted, same, "
+            "unknown: the engine's version was not an integer or it did not answer).",
+            ["outcome"],
+            registry=r,
         )
         self.adapter_switches = Counter(
             "clawrl_gateway_adapter_switches_total",

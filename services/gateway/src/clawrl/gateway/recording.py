@@ -67,6 +67,52 @@ def turn_versions(weight_version: str, admitted: Admission) -> tuple[int, str]:
     return policy_version_of(weight_version, admitted.policy_version), weight_version
 
 
+@dataclass(frozen=True)
+class RecordedVersions:
+    """The versions a main turn is recorded with."""
+
+    policy_version: int  # of the weights that sampled its last tokens
+    started_version: int  # of the weights its generation started under
+    weight_version: str
+    unknown_weights: bool  # the engine's weights are of no known version: never trained
+
+
+def recorded_versions(
+    first_weight_version: str,
+    weight_version: str,
+    admitted: Admission,
+    *,
+    paused_since: bool,
+    base_version: int,
+) -> RecordedVersions:
+    """How a turn is recorded. `first_weight_version`: the engine's version on the first stream
+    event ("" when not streamed); `paused_since`: a pause began while it was generated;
+    `base_version`: the version the gateway calls weights the engine names (its start version).
+
+    Only a sync retracts a generation, and a sync pauses every gateway first: without a pause
+    meanwhile, the whole generation came from the weights reported at its end, whatever the
+    gateway's own version. A named weight_version (SGLang's "default") under a gateway that has
+    moved past its start version is an engine that lost the synced weights: unknown."""
+    if admitted.adapter:
+        return RecordedVersions(
+            admitted.policy_version, admitted.policy_version, admitted.adapter, False
+        )
+    try:
+        version = int(weight_version)
+    except ValueError:
+        unknown = admitted.policy_version != base_version
+        return RecordedVersions(
+            admitted.policy_version, admitted.policy_version, weight_version, unknown
+        )
+    started = version
+    if paused_since:
+        try:
+            started = int(first_weight_version)
+        except ValueError:  # not streamed: the version it was admitted under
+            started = admitted.policy_version
+    return RecordedVersions(version, started, weight_version, False)
+
+
 @dataclass
 class TurnContext:
     """A main request's session as known when it arrived."""
@@ -89,7 +135,7 @@ class ServedTurn:
 
     model: str
     policy_version: int  # of the engine's weight_version at the end of the generation
-    admitted_policy_version: int  # the gate's when the request was admitted
+    admitted_policy_version: int  # of the weights the generation started under
     weight_version: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -102,6 +148,7 @@ class ServedTurn:
     temperature: float
     top_p: float
     created_ns: int = field(default_factory=time.time_ns)
+    unknown_weights: bool = False  # the engine's weights were of no known version
 
 
 def _timestamp(ns: int | None = None) -> Timestamp:
@@ -135,6 +182,7 @@ def pending_turn(request_id: str, served: ServedTurn) -> bytes:
         policy_version=served.policy_version,
         admitted_policy_version=served.admitted_policy_version,
         weight_version=served.weight_version,
+        unknown_weights=served.unknown_weights,
         messages_json=orjson.dumps(served.messages).decode(),
         tools_json=orjson.dumps(served.tools).decode() if served.tools else "",
         prompt_ids=served.prompt_ids,

@@ -33,7 +33,13 @@ from clawrl.gateway.errors import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
-from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext, turn_versions
+from clawrl.gateway.recording import (
+    Recorder,
+    ServedTurn,
+    TurnContext,
+    recorded_versions,
+    turn_versions,
+)
 from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,8 @@ class Generation:
     finish: str | None = None  # "stop" | "length" once finished
     prompt_tokens: int = 0
     weight_version: str = ""  # the engine's, for the weights that sampled these tokens
+    first_weight_version: str = ""  # the engine's on the first reply
+    streamed: bool = False  # then first_weight_version is of the first tokens
 
     def update(self, reply: dict[str, Any]) -> str:
         """Take one /generate reply or stream event; returns the text it adds. Handles both
@@ -97,6 +105,7 @@ class Generation:
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
         if meta.get("weight_version") is not None:
             self.weight_version = str(meta["weight_version"])
+            self.first_weight_version = self.first_weight_version or self.weight_version
         finish = meta.get("finish_reason")
         if finish:
             kind = finish.get("type") if isinstance(finish, dict) else str(finish)
@@ -298,15 +307,31 @@ class ChatService:
             if request.session.session_done and request.session.session_id:
                 await self.recorder.close(request_id, request.session.session_id)
             return {}
-        # The engine's version at the end: a sync that retracted this generation made it newer
-        # than the admitted one (the judge masks such mixed turns). With an adapter, the
-        # adapter: it produced every token.
-        policy_version, weight_version = turn_versions(generation.weight_version, admitted)
+        # The engine's version at the end; a sync that retracted this generation made it newer
+        # than the one it started under (the judge masks such mixed turns). With an adapter,
+        # the adapter: it produced every token.
+        versions = recorded_versions(
+            generation.first_weight_version if generation.streamed else "",
+            generation.weight_version,
+            admitted,
+            paused_since=self.gate.pauses != admitted.pauses,
+            base_version=self.gate.base_version,
+        )
+        if versions.unknown_weights:
+            self.metrics.unknown_weight_turns.inc()
+            log.warning(
+                "the engine served weights %r while the gateway routes v%d: turn %s recorded "
+                "as unknown_weights (never trained); was the engine restarted?",
+                versions.weight_version,
+                admitted.policy_version,
+                request_id,
+            )
         served = ServedTurn(
             model=self.model_name,
-            policy_version=policy_version,
-            admitted_policy_version=admitted.policy_version,
-            weight_version=weight_version,
+            policy_version=versions.policy_version,
+            admitted_policy_version=versions.started_version,
+            weight_version=versions.weight_version,
+            unknown_weights=versions.unknown_weights,
             messages=request.messages,
             tools=request.tools,
             prompt_ids=prompt_ids,
@@ -424,7 +449,7 @@ class ChatService:
         release: Callable[[], Awaitable[None]],
     ) -> AsyncIterator[bytes]:
         request = stream.request
-        generation = Generation()
+        generation = Generation(streamed=True)
         try:
             generation.update(first)
         except Exception as exc:

@@ -110,7 +110,9 @@ def mixed_policy(turn: Turn) -> bool:
     """A weight sync swapped the weights while the turn was generated. Such a turn is masked,
     not trained: its log-probs are each token's true behaviour log-prob, but no one policy
     version produced it (staleness, per-version rewards and audits key on one), and only the
-    few generations still running when a sync's drain budget ends are retracted."""
+    few generations still running when a sync's drain budget ends are retracted. The gateway
+    records in admitted_policy_version the version the generation started under, so a gateway
+    that merely lagged the engines masks nothing."""
     return (
         turn.HasField("admitted_policy_version")
         and turn.admitted_policy_version != turn.policy_version
@@ -188,6 +190,10 @@ class Judge:
         judgement = Judgement(sample=sample, audit=audit)
         if not turn.response_ids:
             set_mask(sample, MaskReason.MASK_REASON_EMPTY_RESPONSE)
+        elif turn.unknown_weights:
+            # Served by weights of no known version (a restarted engine's base model): trained
+            # as any version, it would teach the policy what another model did.
+            set_mask(sample, MaskReason.MASK_REASON_UNKNOWN_VERSION)
         elif mixed_policy(turn):
             set_mask(sample, MaskReason.MASK_REASON_MIXED_POLICY)
         elif self.mode == "rl":

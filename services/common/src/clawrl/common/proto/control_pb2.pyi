@@ -30,10 +30,12 @@ class PauseResponse(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., in_flight: _Optional[int] = ..., status: _Optional[_Union[GatewayStatus, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("policy_version",)
+    __slots__ = ("policy_version", "holder")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
-    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+    holder: str
+    def __init__(self, policy_version: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
     __slots__ = ("released", "status")

@@ -14,9 +14,16 @@ weights; the gateway records both versions of such a turn.
 Failure rules: any failure resumes the gateways on the version they had (Resume 0) and the job
 exits non-zero with the reason; engines that loaded N while another failed are rolled back to
 what they served before, so every replica ends on one version (if a rollback fails too, the
-outcome is `inconsistent`). A job killed outright leaves its pause to the gateways' lease and
-its lock to the lock's TTL. Two syncs never run at once: a Redis lock with a TTL, renewed
-with the lease.
+outcome is `inconsistent`). A job killed outright leaves its pause to the gateways' lease (which
+ends on the engines' version) and its lock to the lock's TTL. Two syncs never run at once: a
+Redis lock with a TTL, renewed from the moment it is taken until the sync ends; a sync that
+loses it aborts. Only the gateways this sync paused are resumed (each Resume names the holder:
+a gateway refuses one for a pause it did not take), and every engine call but the load has its
+own short timeout.
+
+Every engine serving N already is not enough to skip: a job that died after its load, a Resume
+that failed or a gateway that joined leave gateways admitting another version. Those are
+resumed on N (no pause, no load: the engines serve N); only engines and gateways all on N skip.
 
 A LoRA version (the announcement names an adapter) pauses nothing: every engine loads adapter
 policy-vN beside the one it serves (at once, while serving); if any fails, those that loaded it
@@ -39,6 +46,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.lock import Lock
 from redis.exceptions import LockError, RedisError
 
 from clawrl.common.logs import log_context
@@ -172,35 +180,25 @@ class WeightSync:
         gateways: list[Gateway],
         engines: list[Engine],
         *,
-        renew: Callable[[], Awaitable[None]] | None = None,
         broadcast: Broadcast | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.gateways = gateways
         self.engines = engines
-        self.extra_renewal = renew
         self.broadcast = broadcast
         self.renewal_failures = 0
+        self.paused: list[Gateway] = list(gateways)  # those to renew and resume: not refused
 
     async def run(self, ready: VersionReady, result: SyncResult) -> None:
         """Fills `result` (outcome, reason, durations) as it goes."""
         if ready.is_adapter:
             result.adapter = ready.adapter
-            renewals = asyncio.create_task(self._renew_lock_forever(), name="lock-renewal")
-            try:
-                await self._run_adapter(ready, result)
-            finally:
-                renewals.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewals
+            await self._run_adapter(ready, result)
             return
         served = await asyncio.gather(*(engine.weights() for engine in self.engines))
         if all(weights.version == str(ready.version) for weights in served):
-            result.outcome, result.reason = (
-                "skipped",
-                f"every engine already serves v{ready.version}",
-            )
+            await self._converge_gateways(ready, result)
             return
         reason = f"weight sync to v{ready.version}"
         resume_version: int | None = None
@@ -211,10 +209,23 @@ class WeightSync:
             # Renewals start with the pause: draining may outlast one lease.
             renewals = asyncio.create_task(self._renew_forever(reason), name="lease-renewal")
             drain = self.settings.gateways.drain_timeout_s
-            paused, errors = await gather_answers([g.pause(reason, drain) for g in self.gateways])
+            outcomes = await asyncio.gather(
+                *(g.pause(reason, drain) for g in self.gateways), return_exceptions=True
+            )
             result.drain_s = time.monotonic() - started
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException) and not isinstance(outcome, ReplicaError):
+                    raise outcome
+            # A refused Pause: another holder's pause runs there; never resume it.
+            self.paused = [
+                g
+                for g, o in zip(self.gateways, outcomes, strict=True)
+                if not (isinstance(o, ReplicaError) and o.refused)
+            ]
+            errors = [str(o) for o in outcomes if isinstance(o, ReplicaError)]
             if errors:
                 raise ReplicaError("; ".join(errors))
+            paused = outcomes
             if self.settings.engines.in_flight == "retract" and not all(p.drained for p in paused):
                 engines_paused = True  # before the call: a lost answer still gets its continue
                 errors = await gather_errors([e.pause_generation() for e in self.engines])
@@ -230,9 +241,9 @@ class WeightSync:
                     await renewals
             if engines_paused:
                 await self._continue_engines(result)
-            # Every gateway, paused or not: Resume is idempotent, and a gateway whose Pause
-            # answer was lost may be paused all the same.
-            errors = await gather_errors([g.resume(resume_version) for g in self.gateways])
+            # Every gateway this sync may have paused (also one whose Pause answer was lost):
+            # Resume is idempotent; not those that refused the Pause.
+            errors = await gather_errors([g.resume(resume_version) for g in self.paused])
             result.pause_s = time.monotonic() - started
             result.renewal_failures = self.renewal_failures
             if errors:
@@ -297,6 +308,35 @@ class WeightSync:
         result.outcome = "ok"
         await self._unload_old(ready.adapter, result)
 
+    async def _converge_gateways(self, ready: VersionReady, result: SyncResult) -> None:
+        """Every engine serves `ready` already: resume each gateway that does not admit it
+        (paused by no one else) on it. Skipped only when every gateway does."""
+        statuses = await asyncio.gather(
+            *(g.status() for g in self.gateways), return_exceptions=True
+        )
+        behind = []
+        for gateway, status in zip(self.gateways, statuses, strict=True):
+            if isinstance(status, BaseException) and not isinstance(status, ReplicaError):
+                raise status
+            if isinstance(status, ReplicaError) or (
+                status.paused or (status.policy_version, status.adapter) != (ready.version, "")
+            ):
+                behind.append(gateway)
+        if not behind:
+            result.outcome = "skipped"
+            result.reason = f"every engine serves v{ready.version} and every gateway admits it"
+        else:
+            errors = await gather_errors([g.resume(ready.version) for g in behind])
+            if errors:
+                result.outcome, result.reason = "failed", "; ".join(errors)
+                return
+            result.outcome = "ok"
+            result.reason = (
+                f"every engine served v{ready.version} already: resumed {len(behind)} "
+                "gateway(s) on it"
+            )
+        await self._record_served(ready.version, "", ready.path)
+
     async def _all_switched(self, ready: VersionReady) -> bool:
         """Whether every gateway already routes to `ready`'s adapter (False when one does not
         answer: the switch then tells)."""
@@ -352,12 +392,6 @@ class WeightSync:
         except RedisError as exc:  # serving goes on; only a restart would miss it
             log.error("cannot record the served version at %s: %s",
                       self.settings.sync.served_key, exc)  # fmt: skip
-
-    async def _renew_lock_forever(self) -> None:
-        """A LoRA sync pauses nothing, so there is no lease; the lock is renewed alone."""
-        while self.extra_renewal is not None:
-            await asyncio.sleep(self.settings.sync.lock_ttl_s / 3)
-            await self.extra_renewal()
 
     async def _continue_engines(self, result: SyncResult) -> None:
         """/continue_generation on every engine, whatever happened before: one left paused
@@ -434,16 +468,36 @@ class WeightSync:
             raise ReplicaError(f"after the broadcast: {'; '.join(behind)}")
 
     async def _renew_forever(self, reason: str) -> None:
-        """Renew the pause lease (and the lock) every lease_s / 3 while the sync works."""
+        """Renew the pause lease of the gateways it paused every lease_s / 3 while it works."""
         while True:
             await asyncio.sleep(self.settings.gateways.lease_s / 3)
             # A tiny drain: the gateways drained at the first Pause; a renewal must not wait.
-            errors = await gather_errors([g.pause(reason, 0.01) for g in self.gateways])
+            errors = await gather_errors([g.pause(reason, 0.01) for g in self.paused])
             for error in errors:
                 self.renewal_failures += 1
                 log.warning("lease renewal failed: %s", error)
-            if self.extra_renewal is not None:
-                await self.extra_renewal()
+
+
+class LockLost(Exception):
+    """The sync lock expired or passed to another job while this sync held it."""
+
+
+async def keep_lock(lock: Lock, ttl_s: float) -> None:
+    """Renew the sync lock every ttl_s / 3 from the moment it is taken; raises LockLost once
+    it is gone (another job may hold it: this sync must stop). Redis errors are retried until
+    a whole TTL passed without a renewal (the key has expired by then)."""
+    renewed = time.monotonic()
+    while True:
+        try:
+            await lock.extend(ttl_s, replace_ttl=True)
+            renewed = time.monotonic()
+        except LockError as exc:
+            raise LockLost(f"the sync lock was lost: {exc}") from exc
+        except RedisError as exc:
+            if time.monotonic() - renewed >= ttl_s:
+                raise LockLost(f"the sync lock was not renewed for {ttl_s:.0f}s: {exc}") from exc
+            log.warning("cannot renew the sync lock (retrying): %s", exc)
+        await asyncio.sleep(ttl_s / 3)
 
 
 async def publish(redis: Redis, settings: WeightSyncSettings, result: SyncResult) -> None:
@@ -513,20 +567,33 @@ async def _sync_locked(
     result.gateways, result.engines = len(addresses), len(urls)
     gateways = [Gateway(a, settings.gateways, holder=result.job_id) for a in addresses]
     engines = [Engine(u, settings.engines) for u in urls]
-
-    async def renew_lock() -> None:
-        with contextlib.suppress(LockError):
-            await lock.extend(settings.sync.lock_ttl_s, replace_ttl=True)
-
+    sync = WeightSync(settings, redis, gateways, engines, broadcast=broadcast)
+    work = asyncio.create_task(sync.run(ready, result), name="sync")
+    keeper = asyncio.create_task(keep_lock(lock, settings.sync.lock_ttl_s), name="lock-renewal")
     try:
-        sync = WeightSync(settings, redis, gateways, engines, renew=renew_lock, broadcast=broadcast)
-        await sync.run(ready, result)
+        await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the lock is lost: another sync may start; stop this one
+            lost = keeper.exception()
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work  # its cleanup resumes the gateways and continues the engines
+            if result.outcome != "inconsistent":
+                result.outcome = "failed"
+            result.reason = "; ".join(r for r in [result.reason, f"{lost}: aborted"] if r)
+        else:
+            await work
     except ReplicaError as exc:  # before the pause: an engine did not say what it serves
         result.outcome, result.reason = "failed", str(exc)
     except asyncio.CancelledError:
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
         if result.outcome not in ("ok", "inconsistent"):
             result.outcome = "failed"
             result.reason = result.reason or "terminated during the sync"
         raise
     finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LockLost):
+            await keeper
         await asyncio.gather(*(r.close() for r in [*gateways, *engines]), return_exceptions=True)

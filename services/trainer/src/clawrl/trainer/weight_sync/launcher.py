@@ -3,7 +3,15 @@
 One sync at a time, newest version first: announcements that arrive while a sync runs are
 collapsed to the newest, and a version older than the one already served is never loaded. A
 failed sync is retried (`max_attempts`, with a back-off) unless a newer version arrived
-meanwhile. Each sync is a child process locally (`make run`) or a Kubernetes Job on a cluster
+meanwhile; one that found the lock held ("busy": another sync runs, or a dead one's lock has not
+expired yet) waits for the lock and tries again without spending an attempt.
+
+Whatever dies, the replicas converge: every `reconcile_interval_s` with no sync to run, the
+launcher compares what the engines serve and what the gateways admit with the served version
+(Redis) and syncs that version again when one left it (an engine restarted on its base model, a
+gateway that a dead sync left behind or that joined since).
+
+Each sync is a child process locally (`make run`) or a Kubernetes Job on a cluster
 (kube.py); both run `clawrl-weight-sync run`, which publishes its result on the results stream,
 from which this launcher keeps its metrics.
 """
@@ -24,10 +32,11 @@ from pathlib import Path
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
+from clawrl.common.served import read_served
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.job import SyncResult
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
-from clawrl.trainer.weight_sync.reconcile import reconcile_forever
+from clawrl.trainer.weight_sync.reconcile import divergence, reconcile_forever
 from clawrl.trainer.weight_sync.replicas import continue_every_engine
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
@@ -111,6 +120,7 @@ class SyncWatcher:
         self.given_up = 0  # newest version abandoned after max_attempts
         self._versions_id = "0-0"
         self._results_id = "0-0"
+        self._checked_at = 0.0  # last comparison of the replicas with the served version
 
     async def start(self) -> None:
         """Follow the results from now on. What the engines serve is not taken from old
@@ -142,23 +152,63 @@ class SyncWatcher:
                 if newest is not None and (pending is None or newest.version > pending.version):
                     pending = newest
                 if pending is None or pending.version <= max(self.served, self.given_up):
-                    pending = None
-                    continue
+                    pending = await self._converge()
+                    if pending is None:
+                        continue
                 pending = await self._sync(pending)
         finally:
             reconciler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reconciler
 
+    async def _converge(self) -> VersionReady | None:
+        """The served version, to sync again, when a replica left it (at most every
+        reconcile_interval_s, never while a sync holds the lock)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._checked_at < self.settings.launcher.reconcile_interval_s:
+            return None
+        self._checked_at = now
+        if await self.redis.exists(self.settings.sync.lock_key):
+            return None
+        try:
+            served = await read_served(self.redis, self.settings.sync.served_key)
+        except ValueError as exc:
+            log.error("cannot compare the replicas with the served version: %s", exc)
+            return None
+        if served is None:
+            return None  # nothing synced yet: the engines serve their initial weights
+        cause = await divergence(self.settings, served)
+        if cause is None:
+            return None
+        self.metrics.convergence_syncs.labels(cause=cause).inc()
+        log.warning(
+            "%s left the served version v%d%s: syncing it again",
+            "an engine" if cause == "engines" else "a gateway",
+            served.version,
+            f" ({served.adapter})" if served.adapter else "",
+        )
+        return VersionReady(served.version, served.path, 0, served.updated_at, served.adapter)
+
     async def _sync(self, ready: VersionReady) -> VersionReady | None:
         """Sync `ready`, retrying; returns a newer announcement that cut the retries short."""
-        for attempt in range(1, self.settings.launcher.max_attempts + 1):
+        attempt = 0
+        while attempt < self.settings.launcher.max_attempts:
+            attempt += 1
             log.info("syncing v%d (attempt %d) from %s", ready.version, attempt, ready.path)
             code = await self.launch(ready)
             results = await self._collect_results()
             if code == 0:
                 self.served = max(self.served, ready.version)
                 return None
+            if any(r.version == ready.version and r.outcome == "busy" for r in results):
+                # Not a failure: another sync runs, or a dead one's lock has not expired.
+                self.metrics.busy_waits.inc()
+                attempt -= 1
+                await self._wait_for_lock()
+                newer = await self._next_announcement(block=False)
+                if newer is not None and newer.version > ready.version:
+                    return newer
+                continue
             if not any(r.version == ready.version for r in results):
                 self.metrics.syncs.labels(outcome="crashed").inc()
                 # A job that died with the engines paused (retract) cannot continue them; the
@@ -178,6 +228,13 @@ class SyncWatcher:
         )
         self.given_up = ready.version
         return None
+
+    async def _wait_for_lock(self) -> None:
+        """Until no sync holds the lock (it expires lock_ttl_s after a dead job's last
+        renewal)."""
+        log.info("the sync lock is held; waiting for it")
+        while await self.redis.exists(self.settings.sync.lock_key):  # noqa: ASYNC110 (Redis)
+            await asyncio.sleep(min(1.0, self.settings.sync.lock_ttl_s / 10))
 
     async def _next_announcement(self, *, block: bool) -> VersionReady | None:
         """The newest announcement after the last one read (waiting for one when `block`)."""

@@ -89,6 +89,20 @@ class WeightSyncMetrics:
             "or their unload failed.",
             registry=r,
         )
+        self.convergence_syncs = Counter(
+            "clawrl_weight_sync_convergence_syncs_total",
+            "Syncs of the served version the launcher started because replicas left it, by "
+            "cause (engines: one serves other weights, e.g. restarted; gateways: one admits "
+            "another version).",
+            ["cause"],
+            registry=r,
+        )
+        self.busy_waits = Counter(
+            "clawrl_weight_sync_busy_waits_total",
+            "Sync attempts that found the lock held (a running or dead sync) and waited for it "
+            "instead of counting as a failed attempt.",
+            registry=r,
+        )
         self.adapter_reloads = Counter(
             "clawrl_weight_sync_adapter_reloads_total",
             "Engines found without the adapter the gateways route to (restarted), by outcome "

@@ -1,7 +1,12 @@
 """Engines that restarted lose their LoRA adapters: the launcher checks every few seconds that
 each policy engine holds the adapter the gateways route to (the served version in Redis) and
 loads it into one that lacks it. Until then the gateways answer that engine's requests with 503
-and Retry-After (never from the base model)."""
+and Retry-After (never from the base model).
+
+Full weights (and gateways under either): `divergence` says whether an engine serves other
+weights than the served version (restarted on its base model, or left by a dead sync) or a
+gateway admits another version; the launcher then syncs the served version again, which loads
+the engines that need it and resumes every gateway on it."""
 
 from __future__ import annotations
 
@@ -11,9 +16,15 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from clawrl.common.served import read_served
+from clawrl.common.served import Served, read_served
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
-from clawrl.trainer.weight_sync.replicas import Engine, ReplicaError, engine_urls
+from clawrl.trainer.weight_sync.replicas import (
+    Engine,
+    Gateway,
+    ReplicaError,
+    engine_urls,
+    gateway_addresses,
+)
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
@@ -81,3 +92,40 @@ async def reconcile_forever(
             metrics.adapter_reloads.labels(outcome="failed").inc()
             log.error("adapter reconciliation failed: %s", exc)
         await asyncio.sleep(settings.launcher.reconcile_interval_s)
+
+
+async def divergence(settings: WeightSyncSettings, served: Served) -> str | None:
+    """Why the replicas do not all serve `served` ("engines" or "gateways"), or None when they
+    do (or when one cannot be asked: the next pass asks again). A paused gateway is left to
+    its pause (its lease ends on the engines' version)."""
+    try:
+        urls = await engine_urls(settings.engines)
+        addresses = await gateway_addresses(settings.gateways)
+    except (OSError, LookupError) as exc:
+        log.warning("cannot find the replicas to compare versions: %s", exc)
+        return None
+    engines = [Engine(url, settings.engines) for url in urls]
+    gateways = [Gateway(address, settings.gateways, holder="") for address in addresses]
+    try:
+        if not served.adapter:
+            weights = await asyncio.gather(
+                *(engine.weights() for engine in engines), return_exceptions=True
+            )
+            if any(
+                not isinstance(w, BaseException) and w.version != str(served.version)
+                for w in weights
+            ):
+                return "engines"
+        statuses = await asyncio.gather(
+            *(gateway.status() for gateway in gateways), return_exceptions=True
+        )
+        if any(
+            not isinstance(s, BaseException)
+            and not s.paused
+            and (s.policy_version, s.adapter) != (served.version, served.adapter)
+            for s in statuses
+        ):
+            return "gateways"
+        return None
+    finally:
+        await asyncio.gather(*(r.close() for r in [*engines, *gateways]), return_exceptions=True)

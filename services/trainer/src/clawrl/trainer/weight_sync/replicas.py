@@ -40,7 +40,12 @@ async def engine_urls(targets: EngineTargets) -> list[str]:
 
 
 class ReplicaError(Exception):
-    """A replica did not do what the sync asked; the message names it and says why."""
+    """A replica did not do what the sync asked; the message names it and says why. `refused`:
+    the gateway answered that another holder's pause runs (it was not paused by this sync)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class Gateway:
@@ -68,7 +73,8 @@ class Gateway:
             )
         except grpc.aio.AioRpcError as exc:
             raise ReplicaError(
-                f"gateway {self.address}: {method} failed: {exc.code().name} {exc.details()}"
+                f"gateway {self.address}: {method} failed: {exc.code().name} {exc.details()}",
+                refused=exc.code() == grpc.StatusCode.FAILED_PRECONDITION,
             ) from exc
 
     async def pause(self, reason: str, drain_timeout_s: float) -> control_pb2.PauseResponse:
@@ -82,7 +88,8 @@ class Gateway:
         return await self._call("Pause", request, drain_timeout_s)
 
     async def resume(self, policy_version: int | None) -> control_pb2.ResumeResponse:
-        request = control_pb2.ResumeRequest(policy_version=policy_version or 0)
+        """Resume this holder's pause (refused while another holder's runs) on the version."""
+        request = control_pb2.ResumeRequest(policy_version=policy_version or 0, holder=self.holder)
         return await self._call("Resume", request)
 
     async def switch_adapter(self, policy_version: int, adapter: str) -> control_pb2.GatewayStatus:
@@ -107,14 +114,15 @@ class Engine:
 
     def __init__(self, url: str, targets: EngineTargets) -> None:
         self.url = url
-        self._client = SGLangClient(url, timeout_s=targets.load_timeout_s)
+        self._client = SGLangClient(url, timeout_s=targets.load_timeout_s)  # loads
+        self._quick = SGLangClient(url, timeout_s=targets.call_timeout_s)  # everything else
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await asyncio.gather(self._client.aclose(), self._quick.aclose())
 
     async def weights(self) -> EngineWeights:
         try:
-            info = await self._client.get_model_info()
+            info = await self._quick.get_model_info()
         except EngineError as exc:
             raise ReplicaError(f"engine {self.url}: /get_model_info failed: {exc}") from exc
         return EngineWeights(str(info.get("weight_version")), str(info.get("model_path")))
@@ -135,7 +143,7 @@ class Engine:
     async def adapters(self) -> dict[str, str]:
         """The LoRA adapters the engine holds, name -> path."""
         try:
-            return await self._client.lora_adapters()
+            return await self._quick.lora_adapters()
         except EngineError as exc:
             raise ReplicaError(f"engine {self.url}: listing its adapters failed: {exc}") from exc
 
@@ -159,13 +167,13 @@ class Engine:
         """Retract the running generations (KV dropped, re-prefilled on continue) and admit
         none: SGLang then applies a weight update at once instead of after them."""
         try:
-            await self._client.pause_generation("retract")
+            await self._quick.pause_generation("retract")
         except EngineError as exc:
             raise ReplicaError(f"engine {self.url}: /pause_generation failed: {exc}") from exc
 
     async def continue_generation(self) -> None:
         try:
-            await self._client.continue_generation()
+            await self._quick.continue_generation()
         except EngineError as exc:
             raise ReplicaError(f"engine {self.url}: /continue_generation failed: {exc}") from exc
 

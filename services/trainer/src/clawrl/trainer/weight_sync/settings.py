@@ -62,6 +62,13 @@ class EngineTargets(Section):
     load_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for one /update_weights_from_disk."
     )
+    call_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest wait for the engines' quick calls (/get_model_info, "
+        "/pause_generation, /continue_generation, listing adapters): a hung engine fails the "
+        "sync in seconds, not after the load timeout.",
+    )
     in_flight: Literal["retract", "wait"] = Field(
         "retract",
         description="Generations still running when the drain budget ends: `retract` pauses "
@@ -133,7 +140,9 @@ class LauncherSettings(Section):
         5.0,
         gt=0,
         description="How often the launcher checks that every engine holds the LoRA adapter "
-        "the gateways route to, and loads it into one that lacks it (an engine restarted).",
+        "the gateways route to, and loads it into one that lacks it (an engine restarted); and "
+        "(full weights) that every engine serves the synced version and every gateway admits "
+        "it, else syncs that version again.",
     )
     metrics_port: int | None = Field(
         None, ge=0, lt=65536, description="Serve Prometheus /metrics on this port (unset: no)."
