@@ -22,12 +22,17 @@ def test_the_simulated_users_words_carry_the_reward(gateway, tmp_path, capsys) -
     args = parse_args(
         ["simulate", "--base-url", gateway.base_url, "--sessions", "2", "--turns", "3",
          "--concurrency", "2", "--max-tokens", "48", "--seed", "3", "--redis-url", "",
-         "--no-held-out", "--out-dir", str(tmp_path)]
+         "--out-dir", str(tmp_path)]
     )  # fmt: skip
     assert asyncio.run(simulate(args)) == 0
     out = capsys.readouterr().out
-    assert "6 turns, 0 failed requests" in out
-    [run_id] = {p.stem.removeprefix("simulate-") for p in tmp_path.glob("simulate-*.csv")}
+    assert "6 turns, 0 failed requests, 0 failed evaluations" in out
+    # The held-out questions were scored for the only version served, beside the live figures.
+    assert "held-out score of v0: " in out
+    [made] = tmp_path.glob("simulate-*.csv")
+    header, v0 = made.read_text().splitlines()
+    assert header.endswith(",held_out_score") and v0.startswith("0,6,") and v0[-1].isdigit()
+    run_id = made.stem.removeprefix("simulate-")
     turns = [t for t in gateway.turns() if t.turn_id not in before]
     ours = [t for t in turns if t.session_id.startswith(f"sim-{run_id}-")]
     judged = [check_turn(t) for t in ours]
@@ -39,6 +44,7 @@ def test_the_simulated_users_words_carry_the_reward(gateway, tmp_path, capsys) -
         expected = 1.0 if satisfies(view.response_text) else -1.0
         assert stated_preference(view) == expected, (view.response_text, view.next_user_text())
     assert all(stated_preference(v) is None for v in judged if not v.has_next_state)
+    assert not [t for t in turns if t.session_id.startswith("eval-")]  # side turns only
 
 
 def test_held_out_questions_are_side_turns(gateway, capsys) -> None:

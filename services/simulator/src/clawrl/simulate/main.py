@@ -154,7 +154,8 @@ class Evaluator:
         self.found: dict[int, HeldOutScore] = {}
         self.failures = 0
 
-    async def once(self) -> None:
+    async def once(self) -> bool:
+        """One evaluation; False when a question got no reply."""
         try:
             answers = await held_out_answers(
                 self.client, self.model, max_tokens=self.args.max_tokens,
@@ -163,19 +164,23 @@ class Evaluator:
         except EvalError as exc:
             self.failures += 1
             log.warning("held-out evaluation failed: %s", exc)
-            return
+            return False
         for score in complete(scores(answers)):
             self.found[score.version] = score
             print(f"held-out score of v{score.version}: {score.score:.3f}", flush=True)
+        return True
+
+    def behind(self, progress: Progress) -> bool:
+        """The simulation has seen a version newer than every one scored."""
+        return progress.newest_version > max(self.found, default=-1)
 
     async def follow(self, progress: Progress, done: asyncio.Event) -> None:
         while not done.is_set():
-            if progress.newest_version not in self.found:
-                await self.once()
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), timeout=1.0)
-        if progress.newest_version not in self.found:
+            # After a failure, a pause: the gateway may be down or restarting.
+            pause = 1.0 if not self.behind(progress) or await self.once() else 5.0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=pause)
+        if self.behind(progress):
             await self.once()
 
 
