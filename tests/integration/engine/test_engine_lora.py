@@ -1,8 +1,9 @@
 """LoRA adapters served by a real CPU engine process with SGLang's surface: load and unload
 with SGLang's bodies and errors, lora_path on /generate and the OpenAI route, a mixed batch
 equal to each request alone, a prefix cache kept per adapter, unload waiting for the requests
-that use the adapter, a full-weight update with adapters loaded, and the served log-probs equal
-to transformers + peft."""
+that use the adapter (and SGLang's implicit reload of an unloaded adapter a request names), a
+full-weight update with adapters loaded, and the served log-probs equal to transformers +
+peft."""
 
 from __future__ import annotations
 
@@ -109,16 +110,22 @@ def test_load_and_unload_answer_with_sglangs_bodies(url, adapters, model_dir):
         ("a2", str(adapters["a2"]), base),
     ]
 
+    served = answer(url, "a2")
     reply = unload(url, "a2")
     assert reply.status_code == 200 and reply.json()["loaded_adapters"] == {
         "a1": str(adapters["a1"])
     }
-    gone = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "a2"})
-    assert gone.status_code == 400
-    assert "The following requested LoRA adapters are not loaded: a2" in gone.text
+    assert metric(url, "clawrl_engine_lora_adapters") == 1
+    # As SGLang does, a request naming an adapter unloaded before loads it again from its path
+    # (with a new id: nothing cached); a name never loaded is refused.
+    again = answer(url, "a2")
+    assert again["output_ids"] == served["output_ids"] and again["meta_info"]["cached_tokens"] == 0
+    assert set(unload(url, "a2").json()["loaded_adapters"]) == {"a1"}
+    never = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "nope"})
+    assert never.status_code == 400
+    assert "Got LoRA adapter that has never been loaded: nope" in never.text
     assert metric(url, "clawrl_engine_rejected_requests_total", reason="adapter_not_loaded") >= 1
     assert metric(url, "clawrl_engine_lora_updates_total", op="load", result="failure") >= 4
-    assert metric(url, "clawrl_engine_lora_adapters") == 1
 
 
 def test_the_client_loads_lists_and_unloads(url, adapters):
@@ -162,7 +169,7 @@ def test_lora_path_on_generate_and_on_the_openai_route(url):
     assert text[1] == text[2] != text[0]
     for body in ({**chat, "lora_path": "nope"}, {**chat, "model": f"{served}:nope"}):
         refused = post(url, "/v1/chat/completions", body)
-        assert refused.status_code == 400 and "not loaded: nope" in refused.text
+        assert refused.status_code == 400 and "never been loaded: nope" in refused.text
 
 
 def test_a_mixed_batch_gives_each_request_what_it_gets_alone(url, adapters):
@@ -220,7 +227,7 @@ def test_the_prefix_cache_never_shares_kv_across_adapters(url, adapters):
     unload(url, "a3")
 
 
-def test_unload_refuses_new_requests_and_waits_for_the_running_one(url, adapters):
+def test_unload_waits_for_the_running_request_and_a_new_one_reloads_after_it(url, adapters):
     assert load(url, "a3", adapters["a3"]).status_code == 200
     events: list = []
     first_event = threading.Event()
@@ -249,17 +256,19 @@ def test_unload_refuses_new_requests_and_waits_for_the_running_one(url, adapters
     )
     unloader.start()
     time.sleep(0.3)
-    refused = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "a3"})
-    assert refused.status_code == 400 and "not loaded: a3" in refused.text
-    assert not unloaded  # still waiting for the stream
+    # A request naming a3 meanwhile waits for the unload, then loads a3 again (SGLang's order).
+    late = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "a3"})
+    late_at = time.monotonic()
     streamer.join(120)
     unloader.join(60)
     reply, unloaded_at = unloaded[0]
     assert reply.status_code == 200 and "a3" not in reply.json()["loaded_adapters"]
-    assert unloaded_at >= stream_done[0]
+    assert unloaded_at >= stream_done[0]  # the unload waited for the running stream
+    assert late.status_code == 200 and late_at >= unloaded_at
     assert events[-1] == "data: [DONE]"
     last = [e for e in events if e != "data: [DONE]"][-1]
     assert '"finish_reason": {"type": "length", "length": 400}' in last
+    assert unload(url, "a3").status_code == 200  # the late request's reload
 
 
 def test_a_full_weight_update_keeps_the_adapters(url, adapters, model_dir, tmp_path):

@@ -36,3 +36,16 @@ def test_retry_after_header():
     assert to_http(Overloaded("paused", retry_after_s=7)).headers == {"Retry-After": "7"}
     assert to_http(EngineUnavailable("down"), retry_after_s=3).headers == {"Retry-After": "3"}
     assert to_http(InvalidRequest("bad")).headers == {}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # A name the engine process never loaded (e.g. it restarted): SGLang's first check.
+        "Got LoRA adapter that has never been loaded: policy-v3\nAll loaded adapters: [].",
+        "The following requested LoRA adapters are not loaded: policy-v3\nLoaded adapters: [].",
+    ],
+)
+def test_both_of_sglangs_missing_adapter_refusals_are_adapter_unavailable(message):
+    error = to_http(EngineRequestError(message, status_code=400))
+    assert (error.status, error.body["error"]["code"]) == (503, "adapter_unavailable")

@@ -139,9 +139,12 @@ def to_http(exc: BaseException, retry_after_s: int = 5) -> HttpError:
 
 
 def adapter_not_loaded(exc: BaseException) -> bool:
-    """SGLang's refusal of a request whose lora_path names no loaded adapter (a 400 saying
-    "The following requested LoRA adapters are not loaded")."""
-    return isinstance(exc, EngineRequestError) and "adapters are not loaded" in exc.message
+    """SGLang's refusal of a request whose lora_path names no loaded adapter: a 400 saying
+    "Got LoRA adapter that has never been loaded" (a name this engine process never loaded,
+    e.g. after a restart) or "The following requested LoRA adapters are not loaded"."""
+    return isinstance(exc, EngineRequestError) and (
+        "adapters are not loaded" in exc.message or "has never been loaded" in exc.message
+    )
 
 
 def engine_error_kind(exc: BaseException) -> str | None:

@@ -4,8 +4,10 @@ target-module names, and the registry of loaded adapters and the requests using 
 The registry follows SGLang's (python/sglang/srt/lora/lora_registry.py): every load gets a new
 id (so a name loaded again never shares cached KV with its predecessor); a request takes its
 adapter by name when it is admitted and holds it until it ends; unloading removes the name at
-once (new requests naming it are refused) and then waits until no request holds the adapter.
-Only the event loop touches a registry.
+once and then waits until no request holds the adapter. As in SGLang's tokenizer manager, an
+unload does not forget where the adapter came from: a later request naming it loads it again
+from that path (`history`); only a name never loaded is refused. Only the event loop touches a
+registry.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def model_adapter(model: str | None) -> str | None:
     return model.split(":", 1)[1].strip() or None
 
 
+def never_loaded(name: str, known: list[str]) -> AdapterNotLoaded:
+    return AdapterNotLoaded(
+        f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {known}."
+    )
+
+
 def not_enabled(name: str) -> LoraError:
     return LoraError(
         f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
@@ -96,6 +104,8 @@ class LoraRegistry:
 
     def __init__(self) -> None:
         self._by_name: dict[str, LoraRef] = {}
+        # Every adapter ever loaded, by name: what a request naming an unloaded one reloads.
+        self.history: dict[str, LoraRef] = {}
         self._users: dict[str, int] = {}  # by key
         self._idle: dict[str, asyncio.Event] = {}  # by key: set while nobody uses it
 
@@ -116,6 +126,7 @@ class LoraRegistry:
         if ref.name in self._by_name:
             raise LoraError(f"Failed to load LoRA adapter {ref.name} because it is already loaded")
         self._by_name[ref.name] = ref
+        self.history[ref.name] = ref
         self._users[ref.key] = 0
         self._idle[ref.key] = asyncio.Event()
         self._idle[ref.key].set()

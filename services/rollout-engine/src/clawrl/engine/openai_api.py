@@ -98,9 +98,8 @@ def build_router(app_state) -> APIRouter:
             prompt_ids = app_state.renderer.render_ids(body.messages, body.tools)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from exc
-        gen = chat_generation_request(
-            body, prompt_ids, app_state.limits, model_adapter(body.model)
-        )
+        gen = chat_generation_request(body, prompt_ids, app_state.limits, model_adapter(body.model))
+        gen = await engine.resolve_adapter(gen)
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or app_state.served_name

@@ -170,8 +170,9 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     lora_path: str | None = Field(
-        None, description="The LoRA adapter's name (SGLang's extension); `model` written "
-        "`base-model:adapter-name` names one too, and wins."
+        None,
+        description="The LoRA adapter's name (SGLang's extension); `model` written "
+        "`base-model:adapter-name` names one too, and wins.",
     )
 
 

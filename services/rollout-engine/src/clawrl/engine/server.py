@@ -183,6 +183,7 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
         body = parse(GenerateRequest, await _body(request))
         tokenizer = engine().tokenizer
         gen = generation_request(body, tokenizer.encode, state.limits)
+        gen = await engine().resolve_adapter(gen)
         if gen.stream:
             # Queue now, so a full queue is a 503 rather than a broken stream.
             states = engine().generate(gen)

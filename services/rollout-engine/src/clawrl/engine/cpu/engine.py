@@ -24,6 +24,7 @@ from clawrl.engine.lora import (
     LoraError,
     LoraRef,
     LoraRegistry,
+    never_loaded,
     normalized_modules,
     not_enabled,
     parse_lora_path,
@@ -221,6 +222,23 @@ class CpuEngine:
             release()
             raise
         return self._follow(seq, updates, GenerationState(request), release)
+
+    async def resolve_adapter(self, request: GenerationRequest) -> GenerationRequest:
+        """Load the adapter a request names again when it was unloaded (SGLang reloads an
+        adapter it has loaded before from its path; a request arriving during the unload waits
+        for it, then reloads); a name never loaded is refused. Call before `generate`."""
+        name = request.lora_path
+        if name is None or name in self.lora or not self.settings.engine.lora_enabled:
+            return request
+        ref = self.lora.history.get(name)
+        if ref is None:
+            raise never_loaded(name, list(self.lora.history))
+        log.info("reloading unloaded LoRA adapter %s from %s", name, ref.path)
+        result = await self.load_lora_adapter(name, ref.path, ref.pinned)
+        if not result.success and "already loaded" not in result.error_message:
+            raise LoraError(f"Failed to implicitly load LoRA adapter {name}: "
+                            f"{result.error_message}")  # fmt: skip
+        return request
 
     def _take_adapter(
         self, request: GenerationRequest
