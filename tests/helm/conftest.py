@@ -18,6 +18,9 @@ from tests.conftest import REPO
 CHART = REPO / "helm" / "clawrl"
 EXAMPLE_VALUES = sorted((REPO / "deploy").glob("values-*.yaml"))
 CRDS = Path(__file__).parent / "crds"
+# The storage class a cluster must name (the chart refuses to guess one): rendered before any
+# other values file.
+CLUSTER_VALUES = Path(__file__).parent / "cluster-values.yaml"
 # `--set`s pinning every image of the chart by one (made-up) digest.
 DIGEST = "sha256:" + "ab" * 32
 PIN_EVERY_IMAGE = tuple(
@@ -41,8 +44,9 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 
 
 def render(*values_files: Path, sets: tuple[str, ...] = ()) -> list[dict]:
-    """`helm template` of the chart as a list of objects; fails the test when helm does."""
-    args = ["template", "clawrl", str(CHART), "--namespace", "ml"]
+    """`helm template` of the chart (CLUSTER_VALUES, then `values_files`) as a list of objects;
+    fails the test when helm does."""
+    args = ["template", "clawrl", str(CHART), "--namespace", "ml", "-f", str(CLUSTER_VALUES)]
     for path in values_files:
         args += ["-f", str(path)]
     for item in sets:
@@ -82,6 +86,8 @@ def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:
     elif kind == "CronJob":
         yield f"{kind}/{name}", spec["jobTemplate"]["spec"]["template"]["spec"]
     elif kind == "RayJob":
+        # Named without the spec checksum that ends the RayJob's name: stable across renders.
+        name = name.rsplit("-", 1)[0]
         cluster = spec["rayClusterSpec"]
         yield f"{kind}/{name}/head", cluster["headGroupSpec"]["template"]["spec"]
         for group in cluster.get("workerGroupSpecs", []):

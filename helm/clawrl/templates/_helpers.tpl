@@ -78,7 +78,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end }}
 
-{{/* Node selector and tolerations of a GPU pod: its own when set, else the shared gpuNode ones, so trainer, policy and judge engines land on the same nodes by default. */}}
+{{/* Placement of a GPU pod: node selector, tolerations and runtime class its own when set, else the shared gpuNode ones (the nvidia.com/gpu request alone already picks GPU nodes); then its priority class, affinity and topology spread. */}}
 {{- define "clawrl.gpuPlacement" -}}
 {{- with (.values.nodeSelector | default .root.Values.gpuNode.nodeSelector) }}
 nodeSelector:
@@ -88,9 +88,10 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- include "clawrl.podScheduling" (dict "values" .values "runtimeClassName" (.values.runtimeClassName | default .root.Values.gpuNode.runtimeClassName)) }}
 {{- end }}
 
-{{/* Node selector and tolerations of a CPU pod (its own values only). */}}
+{{/* Placement of a CPU pod: node selector, tolerations, runtime and priority class, affinity and topology spread (its own values only). */}}
 {{- define "clawrl.cpuPlacement" -}}
 {{- with .values.nodeSelector }}
 nodeSelector:
@@ -98,6 +99,34 @@ nodeSelector:
 {{- end }}
 {{- with .values.tolerations }}
 tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- include "clawrl.podScheduling" (dict "values" .values "runtimeClassName" .values.runtimeClassName) }}
+{{- end }}
+
+{{/* A pod's runtime class, priority class, affinity and topology spread constraints from its component's values (each only when set). Call with (dict "values" .Values.gateway "runtimeClassName" "nvidia"). */}}
+{{- define "clawrl.podScheduling" -}}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* A pod template's annotations: the chart's own (a dict, e.g. checksums) and the component's podAnnotations on top; nothing when both are empty. Call with (dict "values" .Values.gateway "annotations" (dict "checksum/x" "...")). */}}
+{{- define "clawrl.podAnnotations" -}}
+{{- $all := mustMerge (deepCopy (.values.podAnnotations | default dict)) (.annotations | default dict) }}
+{{- with $all }}
+annotations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
@@ -214,9 +243,17 @@ metadata:
     {{- include "clawrl.labels" . | nindent 4 }}
 spec:
   replicas: {{ $v.replicas }}
-  # A new pod needs the GPUs the old one holds: replace, never surge.
+  # A new pod needs the GPUs an old one holds: never surge. With several replicas one at a time
+  # is replaced, so serving stays up through the new one's weight load; a single one is recreated.
   strategy:
+    {{- if gt (int $v.replicas) 1 }}
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 0
+      maxUnavailable: 1
+    {{- else }}
     type: Recreate
+    {{- end }}
   selector:
     matchLabels:
       {{- include "clawrl.selectorLabels" . | nindent 6 }}
@@ -224,6 +261,9 @@ spec:
     metadata:
       labels:
         {{- include "clawrl.labels" . | nindent 8 }}
+      {{- with include "clawrl.podAnnotations" (dict "values" $v) | trim }}
+      {{- . | nindent 6 }}
+      {{- end }}
     spec:
       # SGLang never talks to the Kubernetes API.
       automountServiceAccountToken: false
@@ -326,6 +366,8 @@ metadata:
   name: {{ include "clawrl.componentName" . }}-replicas
   labels:
     {{- include "clawrl.labels" . | nindent 4 }}
+    # Its ServiceMonitor skips it: the same pods behind the ClusterIP Service are scraped once.
+    clawrl.io/headless: "true"
 spec:
   clusterIP: None
   # A replica still loading weights must get the new version too.
@@ -354,6 +396,10 @@ spec:
   selector:
     matchLabels:
       {{- include "clawrl.selectorLabels" . | nindent 6 }}
+    # Not the headless per-replica Service (same pods: every series would be scraped twice).
+    matchExpressions:
+      - key: clawrl.io/headless
+        operator: DoesNotExist
   endpoints:
     {{- range (.ports | default (list .port)) }}
     - port: {{ . }}
@@ -371,7 +417,7 @@ spec:
       app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPorts" (list 30000)); metricsPorts may be omitted. */}}
+{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPorts" (list 30000)); metricsPorts may be omitted, and "extraIngress" (a list of NetworkPolicyIngressRules) adds rules. */}}
 {{- define "clawrl.internalNetworkPolicy" -}}
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
@@ -401,6 +447,9 @@ spec:
         - port: {{ . }}
         {{- end }}
     {{- end }}
+    {{- with .extraIngress }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/* The weight-sync Job's spec: pause every gateway replica, load a policy version into every policy engine, resume. The launcher instantiates it per version (ConfigMap <release>-weight-sync; it adds `run --version N --path P`); the suspended CronJob carries the same spec with `run` (the newest announced version). Call with (dict "root" $ "args" (list "run")); args may be omitted. */}}
@@ -421,6 +470,9 @@ template:
   metadata:
     labels:
       {{- include "clawrl.labels" $ctx | nindent 6 }}
+    {{- with include "clawrl.podAnnotations" (dict "values" $v) | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
   spec:
     restartPolicy: Never
     # It talks to the gateway and the engine only; no Kubernetes API access.
