@@ -5,6 +5,7 @@ permissions."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,8 @@ def test_a_storage_class_or_an_existing_claim_is_enough() -> None:
     volumes = {v["name"]: v for v in pods(objects)["Deployment/clawrl-policy-engine"]["volumes"]}
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "my-models"
     code, _, stderr = template("--set", "volumes.models.existingClaim=m",
-                               "--set", "volumes.checkpoints.existingClaim=c")  # fmt: skip
+                               "--set", "volumes.checkpoints.existingClaim=c",
+                               "--set", "gateway.allowOpenAccess=true")  # fmt: skip
     assert code == 0, stderr
 
 
@@ -396,3 +398,100 @@ def test_an_nfs_group_reaches_every_pod(tmp_path: Path) -> None:
         "runAsNonRoot": True, "runAsUser": 10001, "supplementalGroups": [2049]}})  # fmt: skip
     for where, spec in pods(render(path)).items():
         assert spec["securityContext"]["supplementalGroups"] == [2049], where
+
+
+# 5. Security ---------------------------------------------------------------------------------
+
+
+def notes(*sets: str) -> str:
+    args = [a for s in sets for a in ("--set", s)]
+    result = helm("install", "clawrl", str(CHART), "--dry-run=client", "-f", str(CLUSTER_VALUES),
+                  *args)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:", 1)[1]
+
+
+def test_the_gateway_needs_api_keys_or_an_explicit_open_access() -> None:
+    """Whoever reaches an open gateway writes the data the policy is trained on."""
+    code, _, stderr = template("-f", str(CLUSTER_VALUES), "--set", "gateway.allowOpenAccess=false")
+    assert code != 0 and "gateway: set apiKeys or existingApiKeySecret" in stderr, stderr
+    keyed = notes("gateway.allowOpenAccess=false", "gateway.apiKeys={k1}")
+    assert "WARNING" not in keyed and "<one of your API keys>" in keyed
+    assert "WARNING: the gateway has no API keys" in notes()
+    code, _, stderr = template("-f", str(CLUSTER_VALUES), "--set", "gateway.allowOpenAccess=false",
+                               "--set", "gateway.existingApiKeySecret=keys")  # fmt: skip
+    assert code == 0, stderr
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in env values and args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], value)
+
+
+def test_redis_auth_comes_from_a_secret_to_every_client(default_objects) -> None:
+    assert "Redis has no password" in notes()
+    assert "REDIS_PASSWORD" not in yaml.safe_dump(default_objects)
+    objects = render(sets=("redis.auth.existingSecret=redis-auth", "redis.auth.key=pw"))
+    clients = 0
+    for where, spec in pods(objects).items():
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            names = [e["name"] for e in container.get("env", [])]
+            url = next(
+                (e for e in container.get("env", []) if e["name"] == "CLAWRL_REDIS__URL"), None
+            )
+            if url is None:
+                continue
+            clients += 1
+            assert url["value"] == "redis://:$(REDIS_PASSWORD)@clawrl-redis:6379/0", where
+            # Defined before the URL: Kubernetes expands only variables listed earlier.
+            assert names.index("REDIS_PASSWORD") < names.index("CLAWRL_REDIS__URL"), where
+            secret = container["env"][names.index("REDIS_PASSWORD")]["valueFrom"]["secretKeyRef"]
+            assert secret == {"name": "redis-auth", "key": "pw"}, where
+    # gateway, judge, trainer head (driver and launcher) and workers, the weight-sync Job x2
+    assert clients >= 7
+
+
+@pytest.mark.integration
+def test_the_rendered_redis_refuses_clients_without_the_password(tmp_path: Path) -> None:
+    """The rendered redis-server arguments and client URL, expanded as Kubernetes does, on a
+    real redis-server: the URL's password is accepted, no password is refused, and the readiness
+    probe (redis-cli with REDISCLI_AUTH) passes."""
+    import shutil
+    import subprocess
+
+    import redis
+
+    from tests.conftest import ChildProcess, free_port, wait_until
+
+    objects = render(sets=("redis.auth.existingSecret=redis-auth",))
+    secret_env = {"REDIS_PASSWORD": "s3cret-pw"}
+    (redis_pod,) = [s for w, s in pods(objects).items() if w.startswith("StatefulSet/")]
+    (container,) = redis_pod["containers"]
+    env = dict(secret_env)
+    env.update({e["name"]: expand(e["value"], env) for e in container["env"] if "value" in e})
+    args = [expand(a, env) for a in container["args"]]
+    args[args.index("--dir") + 1] = str(tmp_path)
+    port = free_port()
+    server = ChildProcess(
+        "redis-auth",
+        [shutil.which("redis-server"), *args, "--port", str(port), "--bind", "127.0.0.1"],
+        tmp_path,
+    )
+    try:
+        cli, *command = container["readinessProbe"]["exec"]["command"]
+        probe = [cli, "-p", str(port), *command]
+
+        def ready() -> bool:
+            run = subprocess.run(probe, env={"REDISCLI_AUTH": env["REDISCLI_AUTH"]},
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+            return run.stdout.strip() == "PONG"
+
+        wait_until(ready, 10, "redis-auth", server.proc)
+        gateway = pods(objects)["Deployment/clawrl-gateway"]["containers"][0]
+        url = next(e["value"] for e in gateway["env"] if e["name"] == "CLAWRL_REDIS__URL")
+        url = expand(url, secret_env).replace("clawrl-redis:6379", f"127.0.0.1:{port}")
+        assert redis.Redis.from_url(url).ping() is True
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").ping()
+    finally:
+        server.stop()

@@ -52,9 +52,22 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{/* The Redis URL every service uses: the in-chart StatefulSet, or redis.externalUrl. */}}
 {{- define "clawrl.redisUrl" -}}
 {{- if eq .Values.redis.mode "internal" }}
-{{- printf "redis://%s:6379/0" (include "clawrl.componentName" (dict "root" . "component" "redis")) }}
+{{- /* With auth, Kubernetes puts the password in from REDIS_PASSWORD (clawrl.redisPasswordEnv, listed before it). */}}
+{{- $auth := ternary ":$(REDIS_PASSWORD)@" "" (not (empty .Values.redis.auth.existingSecret)) }}
+{{- printf "redis://%s%s:6379/0" $auth (include "clawrl.componentName" (dict "root" . "component" "redis")) }}
 {{- else }}
 {{- required "redis.externalUrl is required when redis.mode is external" .Values.redis.externalUrl }}
+{{- end }}
+{{- end }}
+
+{{/* The env var REDIS_PASSWORD from redis.auth's Secret (nothing without one), named by the internal Redis URL (an external one may name it too: redis://:$(REDIS_PASSWORD)@host) and by redis-server's --requirepass. */}}
+{{- define "clawrl.redisPasswordEnv" -}}
+{{- with .Values.redis.auth.existingSecret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.redis.auth.key }}
 {{- end }}
 {{- end }}
 
@@ -65,6 +78,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- $_ := set $shared "redis" (dict "url" (include "clawrl.redisUrl" .root)) }}
 {{- end }}
 {{- $all := mustMergeOverwrite $shared (deepCopy (.settings | default dict)) (deepCopy (.values.settings | default dict)) }}
+{{- if .redis }}
+{{- include "clawrl.redisPasswordEnv" .root }}
+{{- end }}
 {{- range $section := keys $all | sortAlpha }}
 {{- $fields := get $all $section }}
 {{- range $field := keys $fields | sortAlpha }}
