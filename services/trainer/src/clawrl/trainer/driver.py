@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import ray
 
 from clawrl.common.models import resolve_model_dir, rope_stretch, trained_context
+from clawrl.trainer.ray_reaper import start_reaper
 from clawrl.trainer.settings import RaySettings, TrainerSettings
 from clawrl.trainer.torch_backend import TorchBackend
 
@@ -82,6 +83,7 @@ def connect(settings: RaySettings) -> None:
             log_to_driver=True,
             _system_config={"worker_niceness": 0},
         )
+        start_reaper()  # a trainer killed outright takes its Ray workers along
         log.info("started a local Ray runtime")
 
 
