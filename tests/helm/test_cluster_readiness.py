@@ -495,3 +495,28 @@ def test_the_rendered_redis_refuses_clients_without_the_password(tmp_path: Path)
             redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").ping()
     finally:
         server.stop()
+
+
+def test_only_the_trainers_own_pods_reach_the_ray_cluster(default_objects) -> None:
+    """Ray's dashboard runs submitted jobs: no other pod of the release may reach it."""
+    (policy,) = [
+        o for o in default_objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "clawrl-trainer"
+    ]  # fmt: skip
+    (any_port,) = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    assert any_port["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "clawrl", "app.kubernetes.io/instance": "clawrl",
+        "app.kubernetes.io/component": "trainer"}}}]  # fmt: skip
+    ray_pods = [meta["labels"] for where, meta in pod_templates(default_objects).items()
+                if where.startswith("RayJob/")]  # fmt: skip
+    assert len(ray_pods) == 3
+    assert all(selects(any_port["from"][0]["podSelector"], labels) for labels in ray_pods)
+
+
+def test_ray_token_auth_is_an_option(default_objects, crd_schema) -> None:
+    from tests.helm.test_chart import crd_errors
+
+    assert "authOptions" not in rayjob(default_objects)["spec"]["rayClusterSpec"]
+    job = rayjob(render(sets=("trainer.rayTokenAuth=true",)))
+    assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    assert not crd_errors(job, crd_schema("RayJob", "v1"))

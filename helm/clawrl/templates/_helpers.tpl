@@ -433,7 +433,7 @@ spec:
       app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPorts" (list 30000)); metricsPorts may be omitted, and "extraIngress" (a list of NetworkPolicyIngressRules) adds rules. */}}
+{{/* A NetworkPolicy admitting only this release's pods (and the scrapers on the metrics port) to a component. Call with (dict "root" $ "component" "redis" "ports" (list 6379) "metricsPorts" (list 30000)); metricsPorts may be omitted, "from" (a NetworkPolicyPeer list) narrows the release's pods to those peers, and "extraIngress" (a list of NetworkPolicyIngressRules) adds rules. */}}
 {{- define "clawrl.internalNetworkPolicy" -}}
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
@@ -448,7 +448,11 @@ spec:
   policyTypes: [Ingress]
   ingress:
     - from:
+        {{- if .from }}
+        {{- toYaml .from | nindent 8 }}
+        {{- else }}
         {{- include "clawrl.releasePods" .root | nindent 8 }}
+        {{- end }}
       {{- with .ports }}
       ports:
         {{- range . }}
