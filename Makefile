@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast proto lint chart bench clean
+.PHONY: setup run test test-fast proto lint chart bench clean setup-sglang test-sglang
 
 setup: $(STAMP)
 
@@ -23,8 +23,14 @@ RUN_ARGS ?=
 run: setup  ## the whole learning loop locally on CPU, 16k context (flags: RUN_ARGS="--help")
 	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
 
-test: setup  ## every test but the gpu ones
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+test: setup  ## every test but the gpu ones and the real-SGLang suite (make test-sglang)
+	$(PY) -m pytest -m "not gpu and not sglang" $(PYTEST_ARGS)
+
+setup-sglang:  ## real SGLang for CPU in its own cached venv (~7 GB, ~/.cache/clawrl/sglang-venv)
+	bash scripts/setup-sglang.sh >/dev/null
+
+test-sglang: setup setup-sglang  ## the conformance suite: the project's clients against real SGLang
+	$(PY) -m pytest -m sglang tests/sglang $(PYTEST_ARGS)
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
