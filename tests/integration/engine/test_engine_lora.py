@@ -344,3 +344,34 @@ def test_served_logprobs_under_an_adapter_equal_transformers_and_peft(engine_fac
     print(f"served vs transformers+peft: {error:.2e}; vs the base model: {gap:.3f}")
     assert error < 1e-4
     assert gap > 0.1
+
+
+def test_an_adapter_served_beyond_the_trained_context_keeps_the_stretched_rope(
+    engine_factory, tmp_path
+):
+    """Served at 16384 tokens (twice smollm2-tiny's 8192: RoPE stretched with yarn, as the stack
+    runs it), an adapter's log-probs are those of transformers + peft on the same stretched
+    config, the model the trainer trains; an unstretched recomputation is not the reference (it
+    made the LoRA learning test see isolated positions off by up to 0.75)."""
+    from transformers import AutoConfig
+
+    from clawrl.common.models import stretch_config
+
+    model_dir = resolve_model_dir(ModelSettings(path="smollm2-tiny"))
+    adapter = make_adapter(model_dir, tmp_path / "long", rank=8, alpha=16, seed=7, scale=0.5)
+    url = engine_factory("smollm2-tiny", "--context-length", "16384",
+                         "--lora-paths", f"long={adapter}")  # fmt: skip
+    ids = [1, 4093, 198, 31530, 549, 1488, 30, 2, 198, 1, 520, 9531, 198]
+    tuned = answer(url, "long", max_new_tokens=32, input_ids=ids)
+    stretched = tmp_path / "stretched"
+    config = AutoConfig.from_pretrained(str(model_dir))
+    assert stretch_config(config, 16384, "yarn")
+    config.save_pretrained(str(stretched))
+    served = logprobs(tuned)
+    expected = reference_logprobs(model_dir, stretched, adapter, ids, tuned["output_ids"])
+    plain = reference_logprobs(model_dir, model_dir, adapter, ids, tuned["output_ids"])
+    error = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+    gap = max(abs(a - b) for a, b in zip(served, plain, strict=True))
+    print(f"served vs stretched transformers+peft: {error:.2e}; vs unstretched: {gap:.2e}")
+    assert error < 1e-4
+    assert gap > 1e-2  # the stretch shows at 13 + 32 tokens already
