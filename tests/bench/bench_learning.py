@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -53,6 +54,20 @@ def goal(csv_path: Path) -> str:
         lines.append(f"held-out: v0 {scored[0][1]:.3f}, v{scored[-1][0]} {scored[-1][1]:.3f} "
                      f"(gain {gain:+.3f}, goal >= +0.2)")  # fmt: skip
     return "\n".join(lines) or "too few versions for the goal's figures"
+
+
+def engine_held_out(engine_url: str, adapter: str | None, env: dict) -> float | None:
+    """`clawrl eval` against the policy engine itself, pinned to one version: the base model
+    (v0) or an adapter (SGLang's lora_path). Through the gateway a sync may split an
+    evaluation between versions; here nothing can."""
+    argv = [sys.executable, "-m", "clawrl.simulate.main", "eval", "--base-url",
+            f"{engine_url}/v1", *(["--lora", adapter] if adapter else [])]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+    found = re.findall(r"held-out score ([0-9.]+)", done.stdout)
+    if done.returncode != 0 or not found:
+        print(f"clawrl eval {adapter or 'base'} failed: {done.stdout}{done.stderr}", flush=True)
+        return None
+    return float(found[-1])
 
 
 def main() -> None:
@@ -115,6 +130,14 @@ def main() -> None:
             simulate.wait(timeout=600)
         [made_csv] = out.glob("simulate-*.csv")
         print(goal(made_csv))
+        if args.scenario == "preference":
+            final = max(int(r["policy_version"]) for r in csv.DictReader(made_csv.open()))
+            engine = f"http://127.0.0.1:{ports['policy']}"
+            base = engine_held_out(engine, None, env)
+            last = engine_held_out(engine, f"policy-v{final}", env) if final else base
+            if base is not None and last is not None:
+                print(f"held-out (engine, pinned): v0 {base:.3f}, v{final} {last:.3f} "
+                      f"(gain {last - base:+.3f}, goal >= +0.2)", flush=True)  # fmt: skip
         if args.docs:
             docs = REPO / "docs"
             docs.mkdir(exist_ok=True)
