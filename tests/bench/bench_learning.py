@@ -114,11 +114,17 @@ def main() -> None:
         print(f"stack up after {time.monotonic() - started:.0f}s", flush=True)
         out = run_dir / "simulate"
         until = ["--until-version", str(args.until_version)] if args.until_version else []
+        # LoRA versions are scored against the engine pinned to each adapter (no sync can
+        # split an evaluation); full-weight ones only through the gateway.
+        extra = shlex.split(args.stack_args)
+        full = "--lora-rank" in extra and extra[extra.index("--lora-rank") + 1] == "0"
+        pinned = [] if full else ["--engine-url", f"http://127.0.0.1:{ports['policy']}"]
         simulate = subprocess.Popen(
             [sys.executable, "-m", "clawrl.simulate.main", "simulate",
              "--base-url", f"http://127.0.0.1:{ports['gateway']}/v1",
              "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
              "--scenario", args.scenario, "--seed", str(args.seed),
+             *pinned,
              "--sessions", "0", "--turns", "3", "--concurrency", str(args.concurrency),
              *until, "--out-dir", str(out)],
             env=env,
@@ -130,7 +136,7 @@ def main() -> None:
             simulate.wait(timeout=600)
         [made_csv] = out.glob("simulate-*.csv")
         print(goal(made_csv))
-        if args.scenario == "preference":
+        if args.scenario == "preference" and not full:
             final = max(int(r["policy_version"]) for r in csv.DictReader(made_csv.open()))
             engine = f"http://127.0.0.1:{ports['policy']}"
             base = engine_held_out(engine, None, env)

@@ -75,3 +75,39 @@ def test_clawrl_eval_fails_clearly(url, capsys) -> None:
     assert "held-out question" in capsys.readouterr().err
     assert run_eval("http://127.0.0.1:9", "--model", MODEL) == 1  # nothing listens there
     assert "held-out question" in capsys.readouterr().err
+
+
+def test_simulate_scores_each_version_pinned_on_the_engine(url) -> None:
+    """With --engine-url, `clawrl simulate`'s evaluator asks the engine pinned to the newest
+    version's adapter (the base model for v0): a sync cannot split the evaluation, so each
+    version it reaches is scored whole."""
+    from clawrl.simulate.main import Evaluator
+    from clawrl.simulate.simulation import Progress
+
+    args = parse_args(["simulate", "--base-url", "http://127.0.0.1:9/v1",
+                       "--engine-url", url, "--max-tokens", str(MAX_TOKENS)])  # fmt: skip
+    base, adapted = greedy_replies(url, None), greedy_replies(url, "policy-v3")
+
+    async def scores() -> tuple[float, float, int]:
+        # One loop: the evaluator's clients keep their connections to it.
+        evaluator = Evaluator(OpenAIAsync(), MODEL, args)
+        progress = Progress()
+        found = []
+        for version in (0, 3):
+            progress.newest_version = version
+            assert evaluator.behind(progress)
+            assert await evaluator.once(progress.newest_version)
+            found.append(evaluator.found[version].score)
+        return found[0], found[1], evaluator.failures
+
+    base_score, adapted_score, failures = asyncio.run(scores())
+    assert base_score == sum(satisfies(r) for r in base) / 32
+    assert adapted_score == sum(satisfies(r) for r in adapted) / 32
+    assert failures == 0
+
+
+def OpenAIAsync():
+    """A gateway client that must not be used: nothing listens there."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0)

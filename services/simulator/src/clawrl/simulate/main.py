@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="redis://localhost:6390/0",
         help="Redis of the stack, to read the judge's rewards ('' to skip)",
     )
+    sim.add_argument(
+        "--engine-url",
+        help="the policy engine (SGLang API): held-out evaluations ask it, pinned to each "
+        "version's LoRA adapter policy-vN, so no sync can split one (LoRA runs only)",
+    )
     sim.add_argument("--samples-stream", default="clawrl:samples", help="samples stream")
     sim.add_argument("--settle-s", type=float, default=10.0, help="wait for the judge at the end")
     sim.add_argument("--out-dir", type=Path, default=Path("run/simulate"), help="CSV + PNG here")
@@ -145,7 +150,13 @@ async def judged_rewards(
 class Evaluator:
     """Scores the held-out questions whenever the simulation has seen a version newer than the
     last one scored (versions that come and go during an evaluation are skipped), and once more
-    at the end for the final version."""
+    at the end for the final version.
+
+    Through the gateway a sync during an evaluation splits it between two versions, and such a
+    split scores nothing: when versions come faster than an evaluation takes, only the final one
+    is scored. With `--engine-url` (LoRA versions) each evaluation asks the policy engine itself,
+    pinned to the newest version's adapter (`policy-vN`; the base model for v0), so every
+    version it gets to is scored whole."""
 
     def __init__(self, client: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
         self.client = client
@@ -153,12 +164,21 @@ class Evaluator:
         self.args = args
         self.found: dict[int, HeldOutScore] = {}
         self.failures = 0
+        self.engine = None
+        if getattr(args, "engine_url", None):
+            self.engine = openai.AsyncOpenAI(
+                base_url=f"{args.engine_url.rstrip('/')}/v1", api_key="none", max_retries=2
+            )
 
-    async def once(self) -> bool:
-        """One evaluation; False when a question got no reply."""
+    async def once(self, version: int | None = None) -> bool:
+        """One evaluation (of `version`, pinned, when an engine is given); False when a
+        question got no reply."""
+        client, lora = self.client, None
+        if self.engine is not None and version is not None:
+            client, lora = self.engine, (f"policy-v{version}" if version else None)
         try:
             answers = await held_out_answers(
-                self.client, self.model, max_tokens=self.args.max_tokens,
+                client, self.model, max_tokens=self.args.max_tokens, lora=lora,
                 concurrency=self.args.eval_concurrency,
             )  # fmt: skip
         except EvalError as exc:
@@ -177,11 +197,11 @@ class Evaluator:
     async def follow(self, progress: Progress, done: asyncio.Event) -> None:
         while not done.is_set():
             # After a failure, a pause: the gateway may be down or restarting.
-            pause = 1.0 if not self.behind(progress) or await self.once() else 5.0
+            ok = not self.behind(progress) or await self.once(progress.newest_version)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=pause)
+                await asyncio.wait_for(done.wait(), timeout=1.0 if ok else 5.0)
         if self.behind(progress):
-            await self.once()
+            await self.once(progress.newest_version)
 
 
 async def first_model(client: openai.AsyncOpenAI, model: str | None) -> str:
