@@ -50,6 +50,9 @@ class GatewayFactory:
             "CLAWRL_SERVING__RETRY_AFTER_S": "3",
             # Its own spool: one left by an earlier run must not replay into this one's Redis.
             "CLAWRL_SESSIONS__SPOOL_DIR": str(self.log_dir / f"spool-{name}"),
+            # Its own served-version key: a sync run by another module on the session's Redis
+            # must not decide what this gateway serves at start.
+            "CLAWRL_CONTROL__SERVED_KEY": f"test:{name}:serving",
             **env,
         }
         argv = [

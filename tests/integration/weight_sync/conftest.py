@@ -78,8 +78,11 @@ def start_replicas(
              "--grpc-port", str(control), "--engine-url", engine, "--redis-url", redis_url,
              "--model", MODEL],
             log_dir,
+            # A served-version key of its own unless the test shares one with its syncs: what
+            # other modules' syncs wrote on the session's Redis must not decide its start.
             env={"CLAWRL_CONFIG": "/nonexistent/clawrl.toml", "CLAWRL_GATEWAY_ID": name,
-                 "CLAWRL_SESSIONS__KEY_PREFIX": f"test:{name}", **(env or {})},
+                 "CLAWRL_SESSIONS__KEY_PREFIX": f"test:{name}",
+                 "CLAWRL_CONTROL__SERVED_KEY": f"test:{name}:serving", **(env or {})},
         )  # fmt: skip
         started.append(Replica(name, f"http://127.0.0.1:{port}", f"127.0.0.1:{control}", child))
     for replica in started:

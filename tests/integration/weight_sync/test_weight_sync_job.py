@@ -133,7 +133,9 @@ def test_sync_pauses_loads_everywhere_and_resumes_with_the_new_version(
         after = replica.chat("hi")
         assert after.json()["system_fingerprint"] == "clawrl-policy-v1"
     version, logprobs = engine_weights(engine)
-    assert (before_version, version) == ("0", "1")
+    # The engine is shared by the weight-sync modules (one process per engine key): whatever
+    # an earlier module left it on, it serves v1 now, and other outputs than before.
+    assert before_version != "1" and version == "1"
     assert logprobs != before
     # Every request sent during the sync succeeded; later ones carry v1.
     assert load.answers and all(code == 200 for code, _ in load.answers)
