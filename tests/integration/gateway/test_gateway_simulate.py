@@ -17,8 +17,17 @@ from clawrl.simulate.preference import satisfies
 pytestmark = [pytest.mark.integration]
 
 
+def served_version(gateway) -> int:
+    """The version the shared gateway serves now (earlier modules' syncs and Resumes move it):
+    from a side turn's system_fingerprint."""
+    reply = gateway.chat([{"role": "user", "content": "hi"}], headers={"X-Turn-Type": "side"},
+                         max_tokens=1)  # fmt: skip
+    return int(reply.json()["system_fingerprint"].removeprefix("clawrl-policy-v"))
+
+
 def test_the_simulated_users_words_carry_the_reward(gateway, tmp_path, capsys) -> None:
     before = {t.turn_id for t in gateway.turns()}
+    version = served_version(gateway)
     args = parse_args(
         ["simulate", "--base-url", gateway.base_url, "--sessions", "2", "--turns", "3",
          "--concurrency", "2", "--max-tokens", "48", "--seed", "3", "--redis-url", "",
@@ -28,10 +37,11 @@ def test_the_simulated_users_words_carry_the_reward(gateway, tmp_path, capsys) -
     out = capsys.readouterr().out
     assert "6 turns, 0 failed requests, 0 failed evaluations" in out
     # The held-out questions were scored for the only version served, beside the live figures.
-    assert "held-out score of v0: " in out
+    assert f"held-out score of v{version}: " in out
     [made] = tmp_path.glob("simulate-*.csv")
-    header, v0 = made.read_text().splitlines()
-    assert header.endswith(",held_out_score") and v0.startswith("0,6,") and v0[-1].isdigit()
+    header, row = made.read_text().splitlines()
+    assert header.endswith(",held_out_score") and row.startswith(f"{version},6,")
+    assert row[-1].isdigit()
     run_id = made.stem.removeprefix("simulate-")
     turns = [t for t in gateway.turns() if t.turn_id not in before]
     ours = [t for t in turns if t.session_id.startswith(f"sim-{run_id}-")]
@@ -49,7 +59,8 @@ def test_the_simulated_users_words_carry_the_reward(gateway, tmp_path, capsys) -
 
 def test_held_out_questions_are_side_turns(gateway, capsys) -> None:
     before = len(gateway.turns())
+    version = served_version(gateway)
     args = parse_args(["eval", "--base-url", gateway.base_url, "--max-tokens", "16"])
     assert asyncio.run(evaluate(args)) == 0
-    assert capsys.readouterr().out.startswith("v0: held-out score ")
+    assert capsys.readouterr().out.startswith(f"v{version}: held-out score ")
     assert len(gateway.turns()) == before  # nothing recorded: never trained
