@@ -104,15 +104,22 @@ def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-def start_redis(port: int, log_dir: Path, name: str = "redis") -> ChildProcess:
-    """A real redis-server on `port` without persistence, ready to answer PING."""
+def start_redis(
+    port: int, log_dir: Path, name: str = "redis", aof_dir: Path | None = None
+) -> ChildProcess:
+    """A real redis-server on `port`, ready to answer PING: without persistence, or with
+    `aof_dir` persisting every write there (appendfsync always), as a production one would."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.fail("redis-server is not installed (make setup installs it)")
+    persistence = (
+        ["--appendonly", "no", "--dir", str(log_dir)]
+        if aof_dir is None
+        else ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(aof_dir)]
+    )
     child = ChildProcess(
         name,
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(log_dir)],
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
         log_dir,
     )  # fmt: skip
 

@@ -11,11 +11,10 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ChildProcess, free_port, wait_until
+from tests.conftest import free_port, start_redis, wait_until
 
 from .helpers import user
 
@@ -25,34 +24,13 @@ SESSIONS = 6
 TURNS = 6
 
 
-def start_aof_redis(port: int, data_dir: Path, log_dir: Path, name: str) -> ChildProcess:
-    """redis-server persisting every write (appendfsync always), as a production one would."""
-    import shutil
-    import socket
-
-    child = ChildProcess(
-        name,
-        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir)],
-        log_dir,
-    )  # fmt: skip
-
-    def ping() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-
-    wait_until(ping, 10, name, child.proc)
-    return child
-
-
 def test_turns_served_while_redis_is_down_are_recorded_once_when_it_is_back(
     gateways, log_dir, tmp_path
 ):
     port = free_port()
     data = tmp_path / "redis"
     data.mkdir()
-    redis_child = start_aof_redis(port, data, log_dir, f"redis-aof-{port}")
+    redis_child = start_redis(port, log_dir, f"redis-aof-{port}", aof_dir=data)
     spool = tmp_path / "spool"
     handle = gateways.ready(gateways.start(
         "spool", redis_url=f"redis://127.0.0.1:{port}/0",
@@ -92,7 +70,7 @@ def test_turns_served_while_redis_is_down_are_recorded_once_when_it_is_back(
     all_sessions(4)
     time.sleep(2)
     # ...and Redis comes back on its AOF: the last turns queue behind the spool.
-    redis_child = start_aof_redis(port, data, log_dir, f"redis-aof-{port}-back")
+    redis_child = start_redis(port, log_dir, f"redis-aof-{port}-back", aof_dir=data)
     try:
         all_sessions(5)
         assert sum(served.values()) == SESSIONS * TURNS
