@@ -51,6 +51,18 @@ class LoraEngine:
         return {"/v1/models": models, "/load_lora_adapter": load, "/unload_lora_adapter": unload}
 
 
+def sync_settings(port: int, engine_url: str, redis_url: str, **sync) -> WeightSyncSettings:
+    """One gateway and one engine; this test's own lock, streams and served key."""
+    tag = uuid.uuid4().hex[:8]
+    return WeightSyncSettings(
+        gateways={"addresses": [f"127.0.0.1:{port}"]},
+        engines={"urls": [engine_url]},
+        redis={"url": redis_url, "versions_stream": f"test:{tag}:versions"},
+        sync={"lock_key": f"test:{tag}:lock", "results_stream": f"test:{tag}:syncs",
+              "served_key": f"test:{tag}:serving", **sync},
+    )  # fmt: skip
+
+
 async def sync_with_a_request_on_the_old_adapter(redis_url: str, finish_after_s: float, wait_s):
     gate = PauseGate(GatewayMetrics(), hold_timeout_s=5, retry_after_s=1, policy_version=1,
                      adapter="policy-v1")  # fmt: skip
@@ -69,15 +81,8 @@ async def sync_with_a_request_on_the_old_adapter(redis_url: str, finish_after_s:
 
     running = asyncio.create_task(generation())
     await admitted.wait()
-    tag = uuid.uuid4().hex[:8]
     async with scripted_engine(engine.routes()) as url:
-        settings = WeightSyncSettings(
-            gateways={"addresses": [f"127.0.0.1:{port}"]},
-            engines={"urls": [url]},
-            redis={"url": redis_url, "versions_stream": f"test:{tag}:versions"},
-            sync={"lock_key": f"test:{tag}:lock", "results_stream": f"test:{tag}:syncs",
-                  "served_key": f"test:{tag}:serving", "unload_wait_s": wait_s},
-        )  # fmt: skip
+        settings = sync_settings(port, url, redis_url, unload_wait_s=wait_s)
         redis = Redis.from_url(redis_url)
         asyncio.get_running_loop().call_later(finish_after_s, finish.set)
         started = time.monotonic()
@@ -126,15 +131,8 @@ async def test_a_version_already_loaded_and_served_everywhere_is_skipped(redis_u
         gate, host="127.0.0.1", port=0, token=None, gateway_id="g", drain_timeout_s=5
     )
     engine = LoraEngine({"policy-v2": "/ckpt/v2"})
-    tag = uuid.uuid4().hex[:8]
     async with scripted_engine(engine.routes()) as url:
-        settings = WeightSyncSettings(
-            gateways={"addresses": [f"127.0.0.1:{port}"]},
-            engines={"urls": [url]},
-            redis={"url": redis_url, "versions_stream": f"test:{tag}:versions"},
-            sync={"lock_key": f"test:{tag}:lock", "results_stream": f"test:{tag}:syncs",
-                  "served_key": f"test:{tag}:serving"},
-        )  # fmt: skip
+        settings = sync_settings(port, url, redis_url)
         redis = Redis.from_url(redis_url)
         ready = VersionReady(2, "/ckpt/v2", 2, 0.0, adapter="policy-v2")
         result = await sync_version(settings, redis, ready, "job")
