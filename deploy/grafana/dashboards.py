@@ -18,6 +18,9 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[2] / "helm" / "clawrl" / "dashboards"
 RATE = "[$__rate_interval]"
+# Every selector's scope: the namespace, the release (its pods' names start with the release's
+# object prefix, `<release>-clawrl` unless fullnameOverride) and the pods picked (drill-down).
+SCOPE = 'namespace="$namespace", pod=~"$release-.+", pod=~"$pod"'
 
 
 @dataclass(frozen=True)
@@ -26,18 +29,27 @@ class Panel:
     unit: str
     queries: tuple[tuple[str, str], ...]  # (PromQL, legend)
     description: str = ""
+    threshold: float | None = None  # drawn as a red line: past it, something needs attention
+
+
+def sel(metric: str, match: str = "") -> str:
+    """A selector of `metric` scoped to the dashboard's namespace, release and pods; `match`
+    (written `{label="value"}`) adds matchers."""
+    extra = match.strip("{}")
+    return f"{metric}{{{SCOPE}{', ' + extra if extra else ''}}}"
 
 
 def rate(metric: str, by: str = "", match: str = "") -> str:
     """Per-second rate of a counter, summed (by the given labels)."""
     grouping = f" by ({by}) " if by else ""
-    return f"sum{grouping}(rate({metric}{match}{RATE}))"
+    return f"sum{grouping}(rate({sel(metric, match)}{RATE}))"
 
 
 def quantile(q: float, histogram: str, by: str = "", match: str = "") -> str:
     """The q-quantile of a histogram over the rate window (by the given labels)."""
     labels = f"le, {by}" if by else "le"
-    return f"histogram_quantile({q}, sum by ({labels}) (rate({histogram}_bucket{match}{RATE})))"
+    buckets = sel(f"{histogram}_bucket", match)
+    return f"histogram_quantile({q}, sum by ({labels}) (rate({buckets}{RATE})))"
 
 
 def quantiles(histogram: str, by: str = "", match: str = "", legend: str = "") -> tuple:
@@ -57,6 +69,7 @@ SERVING = [
         "Requests per second",
         "reqps",
         ((rate("clawrl_gateway_requests_total", "route, status"), "{{route}} {{status}}"),),
+        "Requests the gateway answered, by route and HTTP status.",
     ),
     Panel(
         "Error ratio (5xx)",
@@ -68,6 +81,9 @@ SERVING = [
                 "5xx share",
             ),
         ),
+        "Share of the gateway's answers that were server errors (5xx); the line marks 1 %, the "
+        "ClawrlGateway5xxHigh alert's threshold.",
+        threshold=0.01,
     ),
     Panel(
         "Chat completion latency",
@@ -79,6 +95,8 @@ SERVING = [
         "Time to first token (streaming)",
         "s",
         quantiles("clawrl_gateway_time_to_first_token_seconds"),
+        "Request to the first streamed token, as the client sees it (queueing and prefill "
+        "included).",
     ),
     Panel(
         "Tokens per second",
@@ -87,19 +105,21 @@ SERVING = [
             (rate("clawrl_gateway_prompt_tokens_total"), "prompt"),
             (rate("clawrl_gateway_completion_tokens_total"), "completion"),
         ),
+        "Prompt and completion tokens the gateway sent to and received from the policy engine.",
     ),
     Panel(
         "Generations in flight",
         "short",
         (
-            ("sum by (job) (clawrl_gateway_in_flight_requests)", "in flight"),
-            ("sum by (job) (clawrl_gateway_held_requests)", "held (paused)"),
+            (f"sum by (job) ({sel('clawrl_gateway_in_flight_requests')})", "in flight"),
+            (f"sum by (job) ({sel('clawrl_gateway_held_requests')})", "held (paused)"),
         ),
+        "Generations running now, and requests held while the gateway is paused for a weight sync.",
     ),
     Panel(
         "Active sessions",
         "short",
-        (("max(clawrl_gateway_active_sessions)", "sessions"),),
+        ((f"max({sel('clawrl_gateway_active_sessions')})", "sessions"),),
         "Sessions with a request within the idle timeout (all replicas, from Redis).",
     ),
     Panel(
@@ -118,7 +138,7 @@ SERVING = [
         "Pause windows",
         "short",
         (
-            ("max(clawrl_gateway_paused)", "paused"),
+            (f"max({sel('clawrl_gateway_paused')})", "paused"),
             (rate("clawrl_gateway_hold_duration_seconds_count"), "held requests released/s"),
             (rate("clawrl_gateway_hold_timeouts_total"), "hold timeouts/s"),
             (rate("clawrl_gateway_pause_lease_expiries_total"), "pause leases expired/s"),
@@ -130,7 +150,8 @@ SERVING = [
     Panel(
         "Policy version served",
         "none",
-        (("max by (job) (clawrl_gateway_policy_version)", "version"),),
+        ((f"max by (job) ({sel('clawrl_gateway_policy_version')})", "version"),),
+        "The policy version each gateway serves (it changes at each weight sync).",
     ),
     Panel(
         "Failures",
@@ -162,9 +183,10 @@ ENGINES = [
         "Requests running / queued",
         "short",
         (
-            ("sum by (job) (sglang:num_running_reqs)", "{{job}} running"),
-            ("sum by (job) (sglang:num_queue_reqs)", "{{job}} queued"),
+            (f"sum by (job) ({sel('sglang:num_running_reqs')})", "{{job}} running"),
+            (f"sum by (job) ({sel('sglang:num_queue_reqs')})", "{{job}} queued"),
         ),
+        "Requests each engine is decoding, and those waiting for room in its batch or KV cache.",
     ),
     Panel(
         "Token throughput",
@@ -173,46 +195,58 @@ ENGINES = [
             (rate("sglang:generation_tokens_total", "job"), "{{job}} generated/s"),
             (rate("sglang:prompt_tokens_total", "job"), "{{job}} prompt/s"),
         ),
+        "Tokens each engine generated and prompt tokens it took in, per second.",
     ),
     Panel(
         "Finished requests per second",
         "reqps",
         ((rate("sglang:e2e_request_latency_seconds_count", "job"), "{{job}}"),),
+        "Requests each engine finished.",
     ),
     Panel(
         "Time to first token",
         "s",
         quantiles("sglang:time_to_first_token_seconds", "job", legend="{{job}}"),
+        "Engine-side time to the first token (queueing and prefill).",
     ),
     Panel(
         "End-to-end request latency",
         "s",
         quantiles("sglang:e2e_request_latency_seconds", "job", legend="{{job}}"),
+        "Engine-side time from arrival to the last token.",
     ),
     Panel(
         "Inter-token latency",
         "s",
         quantiles("sglang:inter_token_latency_seconds", "job", legend="{{job}}"),
+        "Time between two decoded tokens of one request (decode speed under load).",
     ),
     Panel(
         "KV cache usage",
         "percentunit",
-        (("max by (job) (sglang:token_usage)", "{{job}}"),),
+        ((f"max by (job) ({sel('sglang:token_usage')})", "{{job}}"),),
+        "Share of each engine's KV cache in use; past the line (90 %) requests queue or are "
+        "retracted (ClawrlEngineSaturated).",
+        threshold=0.9,
     ),
     Panel(
         "Tokens in the KV cache",
         "short",
-        (("sum by (job) (sglang:num_used_tokens)", "{{job}}"),),
+        ((f"sum by (job) ({sel('sglang:num_used_tokens')})", "{{job}}"),),
+        "Tokens each engine holds in its KV cache (running requests and cached prefixes).",
     ),
     Panel(
         "Prefix cache hit rate",
         "percentunit",
-        (("max by (job) (sglang:cache_hit_rate)", "{{job}}"),),
+        ((f"max by (job) ({sel('sglang:cache_hit_rate')})", "{{job}}"),),
+        "Share of prompt tokens found in the prefix (radix) cache: multi-turn sessions reuse "
+        "their history.",
     ),
     Panel(
         "Generation throughput (engine's own)",
         "short",
-        (("sum by (job) (sglang:gen_throughput)", "{{job}} token/s"),),
+        ((f"sum by (job) ({sel('sglang:gen_throughput')})", "{{job}} token/s"),),
+        "Decode throughput the engine itself reports over its last logging interval.",
     ),
 ]
 
@@ -221,6 +255,7 @@ JUDGE = [
         "Turns judged",
         "ops",
         ((f"{rate('clawrl_judge_turns_total', 'outcome')} or vector(0)", "{{outcome}}"),),
+        "Turns the judges finished, by outcome.",
     ),
     Panel(
         "Samples published (score mix)",
@@ -231,6 +266,8 @@ JUDGE = [
                 "{{kind}} {{score}}",
             ),
         ),
+        "Training samples the judges put on the samples stream, by kind (rl, opd, combined) and "
+        "score sign.",
     ),
     Panel(
         "Votes",
@@ -248,11 +285,12 @@ JUDGE = [
         "percentunit",
         (
             (
-                "sum(rate(clawrl_judge_vote_agreement_ratio_sum[$__rate_interval]))"
-                " / sum(rate(clawrl_judge_vote_agreement_ratio_count[$__rate_interval]))",
+                f"{rate('clawrl_judge_vote_agreement_ratio_sum')}"
+                f" / {rate('clawrl_judge_vote_agreement_ratio_count')}",
                 "mean share agreeing with the majority",
             ),
         ),
+        "Mean share of a turn's PRM votes that agree with the majority (low: the judge is unsure).",
     ),
     Panel(
         "Hint acceptance",
@@ -274,6 +312,7 @@ JUDGE = [
             (quantile(0.99, "clawrl_judge_vote_duration_seconds", "kind"), "votes {{kind}} p99"),
             (quantile(0.99, "clawrl_judge_teacher_duration_seconds"), "teacher p99"),
         ),
+        "Time to judge one turn, one vote round and one teacher pass.",
     ),
     Panel(
         "Dead letters and masked samples",
@@ -288,15 +327,19 @@ JUDGE = [
                 "masked: {{reason}}",
             ),
         ),
+        "Turns given up on (dead-lettered) and samples published with their loss masked, by "
+        "reason.",
     ),
     Panel(
         "Lag",
         "short",
         (
-            ("max(clawrl_judge_consumer_lag_entries)", "not yet delivered"),
-            ("max(clawrl_judge_pending_entries)", "pending (unacknowledged)"),
-            ("sum(clawrl_judge_in_flight_turns)", "in flight"),
+            (f"max({sel('clawrl_judge_consumer_lag_entries')})", "not yet delivered"),
+            (f"max({sel('clawrl_judge_pending_entries')})", "pending (unacknowledged)"),
+            (f"sum({sel('clawrl_judge_in_flight_turns')})", "in flight"),
         ),
+        "Turns on the stream not yet delivered to a judge, delivered but not acknowledged, and "
+        "being judged now. Growing lag: the judges fall behind (ClawrlJudgeLagGrowing).",
     ),
     Panel(
         "Errors and retries",
@@ -309,6 +352,8 @@ JUDGE = [
                 "shortened: {{kind}}",
             ),
         ),
+        "Judge errors by stage, engine calls retried while the judge engine was unavailable, "
+        "prompts shortened to fit.",
     ),
 ]
 
@@ -316,7 +361,8 @@ LEARNING = [
     Panel(
         "Reward",
         "short",
-        (("max(clawrl_trainer_reward_mean)", "mean reward of the last step"),),
+        ((f"max({sel('clawrl_trainer_reward_mean')})", "mean reward of the last step"),),
+        "Mean reward of the samples in the trainer's last step.",
     ),
     Panel(
         "Score mix",
@@ -333,24 +379,27 @@ LEARNING = [
         "Loss",
         "short",
         (
-            ("max(clawrl_trainer_loss)", "loss"),
-            ("max(clawrl_trainer_pg_loss)", "policy-gradient loss"),
+            (f"max({sel('clawrl_trainer_loss')})", "loss"),
+            (f"max({sel('clawrl_trainer_pg_loss')})", "policy-gradient loss"),
         ),
+        "Total and policy-gradient loss of the last step.",
     ),
     Panel(
         "KL",
         "short",
         (
-            ("max(clawrl_trainer_kl_ref)", "KL to reference"),
-            ("max(clawrl_trainer_approx_kl_old)", "approx KL to the sampling policy"),
+            (f"max({sel('clawrl_trainer_kl_ref')})", "KL to reference"),
+            (f"max({sel('clawrl_trainer_approx_kl_old')})", "approx KL to the sampling policy"),
         ),
+        "KL to the frozen reference model (penalised by ppo.kl_coef) and approximate KL to the "
+        "policy that sampled.",
     ),
     Panel(
         "Clip fraction",
         "percentunit",
         (
-            ("max(clawrl_trainer_clip_frac)", "PPO-clipped tokens"),
-            ("max(clawrl_trainer_tis_clip_frac)", "TIS weight truncated at the cap"),
+            (f"max({sel('clawrl_trainer_clip_frac')})", "PPO-clipped tokens"),
+            (f"max({sel('clawrl_trainer_tis_clip_frac')})", "TIS weight truncated at the cap"),
         ),
         "PPO's clip acts on pi / pi_old, which is 1 at each batch's one optimizer step; stale "
         "samples are corrected by the TIS weight min(pi_old / pi_rollout, ppo.tis_cap).",
@@ -359,8 +408,8 @@ LEARNING = [
         "Off-policy ratio",
         "short",
         (
-            ("max(clawrl_trainer_ratio_mean)", "mean pi_old / pi_rollout"),
-            ("max(clawrl_trainer_ratio_max)", "max pi_old / pi_rollout"),
+            (f"max({sel('clawrl_trainer_ratio_mean')})", "mean pi_old / pi_rollout"),
+            (f"max({sel('clawrl_trainer_ratio_max')})", "max pi_old / pi_rollout"),
         ),
         "How much likelier the trainer's weights make each trained token than the engine that "
         "sampled it did (1 on-policy); per step, over trained tokens.",
@@ -369,9 +418,11 @@ LEARNING = [
         "Policy version",
         "none",
         (
-            ("max(clawrl_trainer_policy_version)", "exported by the trainer"),
-            ("min(clawrl_gateway_policy_version)", "served by the gateway"),
+            (f"max({sel('clawrl_trainer_policy_version')})", "exported by the trainer"),
+            (f"min({sel('clawrl_gateway_policy_version')})", "served by the gateway"),
         ),
+        "Newest version the trainer exported and the oldest one a gateway serves; a growing gap "
+        "means syncs fall behind (ClawrlPolicyVersionLag).",
     ),
     Panel(
         "Staleness of trained samples",
@@ -379,13 +430,15 @@ LEARNING = [
         (
             *quantiles("clawrl_trainer_sample_staleness_versions", legend="versions behind"),
             (
-                "sum(rate(clawrl_trainer_sample_staleness_versions_sum[$__rate_interval]))"
-                " / sum(rate(clawrl_trainer_sample_staleness_versions_count[$__rate_interval]))",
+                f"{rate('clawrl_trainer_sample_staleness_versions_sum')}"
+                f" / {rate('clawrl_trainer_sample_staleness_versions_count')}",
                 "mean",
             ),
-            ("max(clawrl_trainer_staleness_mean)", "mean of the last step"),
-            ("max(clawrl_trainer_staleness_max)", "max of the last step"),
+            (f"max({sel('clawrl_trainer_staleness_mean')})", "mean of the last step"),
+            (f"max({sel('clawrl_trainer_staleness_max')})", "max of the last step"),
         ),
+        "How many versions behind the trainer's weights the policy that sampled each trained "
+        "sample was.",
     ),
     Panel(
         "Samples consumed and dropped",
@@ -394,41 +447,49 @@ LEARNING = [
             (f"{rate('clawrl_trainer_samples_consumed_total', 'kind')} or vector(0)", "{{kind}}"),
             (rate("clawrl_trainer_samples_dropped_total", "reason"), "dropped: {{reason}}"),
         ),
+        "Samples the trainer trained on, by kind, and those it dropped, by reason (too stale, too"
+        " long, ...).",
     ),
     Panel(
         "Step time",
         "s",
         ((quantile(0.5, "clawrl_trainer_step_duration_seconds", "phase"), "{{phase}} p50"),),
+        "Median time of each phase of a training step.",
     ),
     Panel(
         "Training throughput",
         "short",
         (
             (rate("clawrl_trainer_tokens_total"), "tokens/s (averaged)"),
-            ("max(clawrl_trainer_tokens_per_second)", "tokens/s (last step)"),
+            (f"max({sel('clawrl_trainer_tokens_per_second')})", "tokens/s (last step)"),
             (rate("clawrl_trainer_steps_total"), "steps/s"),
         ),
+        "Tokens trained per second (averaged and last step) and optimizer steps per second.",
     ),
     Panel(
         "Entropy and gradient norm",
         "short",
         (
-            ("max(clawrl_trainer_entropy)", "entropy (nats)"),
-            ("max(clawrl_trainer_grad_norm)", "grad norm before clipping"),
+            (f"max({sel('clawrl_trainer_entropy')})", "entropy (nats)"),
+            (f"max({sel('clawrl_trainer_grad_norm')})", "grad norm before clipping"),
         ),
+        "Mean token entropy of the policy on trained tokens, and the gradient norm before "
+        "clipping.",
     ),
     Panel(
         "Advantages",
         "short",
         (
-            ("max(clawrl_trainer_advantage_mean)", "mean"),
-            ("max(clawrl_trainer_advantage_std)", "std"),
+            (f"max({sel('clawrl_trainer_advantage_mean')})", "mean"),
+            (f"max({sel('clawrl_trainer_advantage_std')})", "std"),
         ),
+        "Mean and standard deviation of the advantages of the last step's tokens.",
     ),
     Panel(
         "Sample latency (written -> trained)",
         "s",
         quantiles("clawrl_trainer_sample_latency_seconds"),
+        "Time from a sample's publication by the judge to its training step.",
     ),
     Panel(
         "Weight syncs",
@@ -437,7 +498,7 @@ LEARNING = [
             (f"{rate('clawrl_weight_sync_syncs_total', 'outcome')} or vector(0)", "{{outcome}}/s"),
             (quantile(0.99, "clawrl_weight_sync_pause_duration_seconds"), "pause p99 (s)"),
             (quantile(0.99, "clawrl_weight_sync_load_duration_seconds"), "load p99 (s)"),
-            ("max(clawrl_weight_sync_announced_version)", "announced version"),
+            (f"max({sel('clawrl_weight_sync_announced_version')})", "announced version"),
         ),
         "One sync per new policy version: how long the gateways were paused and the engines "
         "loaded.",
@@ -447,11 +508,160 @@ LEARNING = [
         "short",
         (
             (
-                "sum(increase(clawrl_trainer_checkpoint_failures_total[$__rate_interval]))",
+                f"sum(increase({sel('clawrl_trainer_checkpoint_failures_total')}{RATE}))",
                 "failures",
             ),
         ),
         "A failed checkpoint or export stops the trainer; its entries stay pending.",
+    ),
+]
+
+
+def dcgm(metric: str) -> str:
+    """A DCGM exporter gauge of the scoped pods, labelled with the GPU's pod as `pod`.
+    dcgm-exporter names the pod using a GPU in `namespace` and `pod`; Prometheus renames them
+    `exported_namespace` and `exported_pod` when it keeps the exporter's own target labels
+    (honorLabels false, the default of NVIDIA's charts): both spellings are read."""
+    exported = SCOPE.replace("namespace=", "exported_namespace=").replace("pod=", "exported_pod=")
+    renamed = f'label_replace({metric}{{{exported}}}, "pod", "$1", "exported_pod", "(.+)")'
+    return f"({renamed} or {sel(metric)})"
+
+
+OOM_KILLED = '{reason="OOMKilled"}'
+CONTAINERS = '{container!=""}'  # not the pod-level cgroup's series (they would count twice)
+MEMORY_LIMIT = '{resource="memory"}'
+
+# Kubernetes (kube-state-metrics, the kubelet's cAdvisor), GPUs (NVIDIA's dcgm-exporter), Redis
+# (the chart's redis_exporter sidecar, and the judge's own reading), Ray (the trainer's nodes).
+CLUSTER = [
+    Panel(
+        "Container restarts",
+        "short",
+        (
+            (
+                f"sum by (pod) (increase({sel('kube_pod_container_status_restarts_total')}{RATE}))",
+                "{{pod}}",
+            ),
+        ),
+        "Container restarts per pod over the window (kube-state-metrics). An engine or trainer "
+        "that restarts reloads its weights; see OOM kills beside it.",
+        threshold=1,
+    ),
+    Panel(
+        "OOM kills",
+        "short",
+        (
+            (
+                "sum by (pod) ("
+                f"{sel('kube_pod_container_status_last_terminated_reason', OOM_KILLED)})",
+                "{{pod}}",
+            ),
+        ),
+        "1 for a pod whose container last ended killed for passing its memory limit "
+        "(kube-state-metrics): raise the component's resources.limits.memory.",
+        threshold=1,
+    ),
+    Panel(
+        "Memory (working set) and limit",
+        "bytes",
+        (
+            (
+                f"sum by (pod) ({sel('container_memory_working_set_bytes', CONTAINERS)})",
+                "{{pod}}",
+            ),
+            (
+                f"sum by (pod) ({sel('kube_pod_container_resource_limits', MEMORY_LIMIT)})",
+                "{{pod}} limit",
+            ),
+        ),
+        "Memory the kubelet counts against each pod's limit (cAdvisor), and the limit.",
+    ),
+    Panel(
+        "CPU",
+        "short",
+        (
+            (
+                f"sum by (pod) (rate({sel('container_cpu_usage_seconds_total', CONTAINERS)}"
+                f"{RATE}))",
+                "{{pod}}",
+            ),
+        ),
+        "Cores each pod uses (cAdvisor).",
+    ),
+    Panel(
+        "GPU utilisation",
+        "percent",
+        ((f"avg by (pod) ({dcgm('DCGM_FI_DEV_GPU_UTIL')})", "{{pod}}"),),
+        "Mean utilisation of each pod's GPUs (dcgm-exporter): engines, and the trainer's Ray "
+        "workers.",
+    ),
+    Panel(
+        "GPU memory used",
+        "decmbytes",
+        ((f"sum by (pod) ({dcgm('DCGM_FI_DEV_FB_USED')})", "{{pod}}"),),
+        "Frame-buffer memory used on each pod's GPUs (dcgm-exporter). SGLang reserves "
+        "mem_fraction_static of it at start.",
+    ),
+    Panel(
+        "GPU power and temperature",
+        "short",
+        (
+            (f"sum by (pod) ({dcgm('DCGM_FI_DEV_POWER_USAGE')})", "{{pod}} W"),
+            (f"max by (pod) ({dcgm('DCGM_FI_DEV_GPU_TEMP')})", "{{pod}} °C (hottest)"),
+        ),
+        "Power draw (watts) of each pod's GPUs and the hottest one's temperature.",
+    ),
+    Panel(
+        "GPU XID errors",
+        "short",
+        ((f"max by (pod) ({dcgm('DCGM_FI_DEV_XID_ERRORS')})", "{{pod}}"),),
+        "The last XID error each pod's GPUs reported (0: none): a driver-level GPU fault.",
+    ),
+    Panel(
+        "Redis memory",
+        "bytes",
+        (
+            (f"max({sel('clawrl_judge_redis_used_memory_bytes')})", "used (judge's reading)"),
+            (f"max({sel('clawrl_judge_redis_maxmemory_bytes')} > 0)", "maxmemory"),
+            (f"max({sel('redis_memory_used_bytes')})", "used (redis_exporter)"),
+        ),
+        "Redis refuses writes at maxmemory (noeviction): turns are then spooled or lost and "
+        "the judge stops (ClawrlRedisMemoryHigh).",
+    ),
+    Panel(
+        "Redis streams",
+        "short",
+        (
+            (f"max by (stream) ({sel('redis_stream_length')})", "{{stream}} length"),
+            (
+                f"max by (stream, group) ({sel('redis_stream_group_lag')})",
+                "{{stream}} {{group}} not delivered",
+            ),
+            (
+                f"max by (stream, group) ({sel('redis_stream_group_messages_pending')})",
+                "{{stream}} {{group}} pending",
+            ),
+        ),
+        "Entries on each clawrl stream, and per consumer group those not yet delivered and "
+        "those delivered but not acknowledged (redis_exporter sidecar, redis.exporter).",
+    ),
+    Panel(
+        "Ray nodes",
+        "percent",
+        (
+            (f"avg by (pod) ({sel('ray_node_cpu_utilization')})", "{{pod}} CPU"),
+            (f"avg by (pod) ({sel('ray_node_gpus_utilization')})", "{{pod}} GPU"),
+        ),
+        "CPU and GPU utilisation of the trainer's Ray nodes as Ray reports them.",
+    ),
+    Panel(
+        "Ray memory",
+        "bytes",
+        (
+            (f"sum by (pod) ({sel('ray_node_mem_used')})", "{{pod}} memory"),
+            (f"sum by (pod) ({sel('ray_object_store_memory')})", "{{pod}} object store"),
+        ),
+        "Memory used on each Ray node, and by Ray's object store (the trainer's batches).",
     ),
 ]
 
@@ -460,18 +670,46 @@ DASHBOARDS = {
     "engines": ("clawrl / engines (SGLang)", ENGINES),
     "judge": ("clawrl / judge", JUDGE),
     "learning": ("clawrl / learning", LEARNING),
+    "cluster": ("clawrl / cluster (pods, GPUs, Redis, Ray)", CLUSTER),
 }
+PROMETHEUS = {"type": "prometheus", "uid": "${datasource}"}
+# Grafana annotations on every dashboard: each weight sync (by outcome) and each change of the
+# policy version the gateways serve.
+ANNOTATIONS = (
+    (
+        "Weight syncs",
+        "blue",
+        f"sum by (outcome) (increase({sel('clawrl_weight_sync_syncs_total')}[1m])) > 0",
+        "weight sync: {{outcome}}",
+    ),
+    (
+        "Policy version served",
+        "green",
+        f"max(changes({sel('clawrl_gateway_policy_version')}[1m])) > 0",
+        "policy version changed",
+    ),
+)
 
 
 def panel_json(panel: Panel, index: int) -> dict:
+    defaults: dict = {"unit": panel.unit}
+    if panel.threshold is not None:
+        defaults["thresholds"] = {
+            "mode": "absolute",
+            "steps": [
+                {"color": "green", "value": None},
+                {"color": "red", "value": panel.threshold},
+            ],
+        }
+        defaults["custom"] = {"thresholdsStyle": {"mode": "line"}}
     return {
         "id": index + 1,
         "type": "timeseries",
         "title": panel.title,
         "description": panel.description,
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "datasource": PROMETHEUS,
         "gridPos": {"h": 8, "w": 12, "x": (index % 2) * 12, "y": (index // 2) * 8},
-        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
             "legend": {"displayMode": "list", "placement": "bottom"},
             "tooltip": {"mode": "multi"},
@@ -479,7 +717,7 @@ def panel_json(panel: Panel, index: int) -> dict:
         "targets": [
             {
                 "refId": chr(ord("A") + i),
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "datasource": PROMETHEUS,
                 "expr": expr,
                 "legendFormat": legend,
             }
@@ -488,16 +726,73 @@ def panel_json(panel: Panel, index: int) -> dict:
     }
 
 
+def query_variable(name: str, label: str, query: str, **extra) -> dict:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": PROMETHEUS,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,  # on time range change: pods come and go
+        "current": {},
+        "hide": 0,
+        "sort": 1,
+        "includeAll": False,
+        "multi": False,
+        **extra,
+    }
+
+
+# The scope's variables. The chart sets namespace and release to its own (and gives each
+# release's dashboards their own uid); the pod picker drills down to some pods.
+VARIABLES = [
+    query_variable("namespace", "Namespace", "label_values(up, namespace)"),
+    query_variable(
+        "release",
+        "Release",
+        'label_values(up{namespace="$namespace"}, pod)',
+        # The object prefix in the names of the pods of a Deployment of the chart.
+        regex="/^(.+)-(?:gateway|judge|judge-engine|policy-engine)(?:-[a-z0-9]+){0,2}$/",
+    ),
+    query_variable(
+        "pod",
+        "Pod",
+        'label_values(up{namespace="$namespace", pod=~"$release-.+"}, pod)',
+        includeAll=True,
+        multi=True,
+        allValue=".*",
+        current={"selected": True, "text": ["All"], "value": ["$__all"]},
+    ),
+]
+
+
 def dashboard_json(name: str, title: str, panels: list[Panel]) -> dict:
     return {
         "uid": f"clawrl-{name}",
         "title": title,
+        "description": f"clawrl's {name} dashboard, scoped to one namespace and release.",
         "tags": ["clawrl"],
         "timezone": "browser",
         "schemaVersion": 39,
         "version": 1,
         "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
+        "annotations": {
+            "list": [
+                {
+                    "name": label,
+                    "datasource": PROMETHEUS,
+                    "enable": True,
+                    "iconColor": color,
+                    "expr": expr,
+                    "step": "30s",
+                    "titleFormat": text,
+                    "useValueForTime": False,
+                }
+                for label, color, expr, text in ANNOTATIONS
+            ]
+        },
         "templating": {
             "list": [
                 {
@@ -507,7 +802,8 @@ def dashboard_json(name: str, title: str, panels: list[Panel]) -> dict:
                     "query": "prometheus",
                     "current": {},
                     "hide": 0,
-                }
+                },
+                *VARIABLES,
             ]
         },
         "panels": [panel_json(panel, i) for i, panel in enumerate(panels)],

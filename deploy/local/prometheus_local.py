@@ -12,11 +12,16 @@ CONFIG = Path(__file__).resolve().parents[1] / "prometheus" / "prometheus.yml"
 
 
 def write_config(path: Path, ports: dict[str, int]) -> Path:
-    """The config with each job scraping 127.0.0.1:<port>; jobs without a port (services the
-    stack does not run) are left out so they do not show as down."""
+    """The config with each job scraping 127.0.0.1:<port> (its labels kept); jobs without a
+    port (services the stack does not run) are left out so they do not show as down."""
     config = yaml.safe_load(CONFIG.read_text())
     config["scrape_configs"] = [
-        {**job, "static_configs": [{"targets": [f"127.0.0.1:{ports[job['job_name']]}"]}]}
+        {
+            **job,
+            "static_configs": [
+                {**job["static_configs"][0], "targets": [f"127.0.0.1:{ports[job['job_name']]}"]}
+            ],
+        }
         for job in config["scrape_configs"]
         if job["job_name"] in ports
     ]

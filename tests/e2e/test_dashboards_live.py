@@ -3,10 +3,12 @@ traffic through the gateway and the loop turning on it (judged, trained, synced)
 panel's PromQL evaluated through Prometheus's HTTP API. Each query must parse; the serving and
 engine queries must return data while those services are busy, and every learning panel while
 the trainer steps and new versions are synced (a panel that shows nothing for a busy service is
-a bug)."""
+a bug). The chart's alerts are evaluated on the same Prometheus: silent while the loop turns,
+and the trainer's firing once the trainer is stopped (SIGSTOP) while turns keep coming."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -14,19 +16,28 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
+import yaml
 from openai import OpenAI
 
 from tests.conftest import REPO, wait_until
 from tests.e2e.local_stack import local_stack
 from tests.e2e.test_learning import trainer_step
-from tests.helm.dashboards import dashboards, queries
+from tests.helm.conftest import CHART, CLUSTER_VALUES, helm
+from tests.helm.dashboards import annotation_queries, dashboards, queries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 BUSY = ("serving", "engines")  # the services the local stack runs and this test loads
 LEARNING = "learning"  # every panel (one of its queries at least) shows the loop turning
 STEPS = 2  # trainer steps (each one a version and a sync) the traffic below makes
+# The dashboards' variables as the local stack's scrape labels answer them
+# (deploy/prometheus/prometheus.yml: release `clawrl` in namespace `local`), every pod.
+VARIABLES = {"$namespace": "local", "$release": "clawrl", "$pod": ".*"}
+STALL_WINDOW = "20s"  # ClawrlTrainerStalled's window, short enough for this test
+# What stopping the trainer must fire (every other alert stays silent).
+TRAINER_STOPPED = {"ClawrlTargetDown", "ClawrlTrainerStalled"}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,7 @@ def scrapes(port: int, job: str) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
-def traffic(gateway: int) -> None:
+def traffic(gateway: int, sessions: int = 8) -> None:
     """Multi-turn sessions, streamed and not, closed and left open, as an agent would send."""
     client = OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="local", max_retries=0)
 
@@ -78,12 +89,54 @@ def traffic(gateway: int) -> None:
                          {"role": "user", "content": f"Again, {turn}."}]  # fmt: skip
 
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(session, range(8)))
+        list(pool.map(session, range(sessions)))
+
+
+def total(prom: int, expr: str) -> float:
+    result = instant(prom, expr)["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
 
 
 def synced(prom: int) -> float:
-    result = instant(prom, 'sum(clawrl_weight_sync_syncs_total{outcome="ok"})')["data"]["result"]
-    return float(result[0]["value"][1]) if result else 0.0
+    return total(prom, 'sum(clawrl_weight_sync_syncs_total{outcome="ok"})')
+
+
+def scoped(expr: str, window: str) -> str:
+    """A dashboard query as Grafana sends it for the local stack."""
+    expr = expr.replace("$__rate_interval", window)
+    for variable, value in VARIABLES.items():
+        expr = expr.replace(variable, value)
+    return expr
+
+
+def chart_alerts() -> dict[str, str]:
+    """The chart's alerts (name -> PromQL) rendered for release `clawrl` in namespace `local`."""
+    result = helm("template", "clawrl", str(CHART), "--namespace", "local",
+                  "-f", str(CLUSTER_VALUES), "--set", "prometheusRule.enabled=true",
+                  "--set", f"prometheusRule.trainerStalledWindow={STALL_WINDOW}",
+                  "--show-only", "templates/prometheusrule.yaml")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rule = yaml.safe_load(result.stdout)
+    return {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def firing(prom: int, alerts: dict[str, str]) -> set[str]:
+    """The alerts whose expression returns series now (their `for` aside)."""
+    fired = set()
+    for name, expr in alerts.items():
+        answer = instant(prom, expr)
+        assert answer["status"] == "success", f"{name}: {answer.get('error')}: {expr}"
+        if answer["data"]["result"]:
+            fired.add(name)
+    return fired
+
+
+def listener(port: int) -> psutil.Process:
+    """The process listening on a local TCP port."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return psutil.Process(conn.pid)
+    raise LookupError(f"nothing listens on port {port}")
 
 
 def test_every_panel_query_evaluates_and_busy_panels_have_data(stack: dict[str, int]) -> None:
@@ -108,7 +161,7 @@ def test_every_panel_query_evaluates_and_busy_panels_have_data(stack: dict[str, 
     for name, board in dashboards().items():
         panels: dict[str, bool] = {}  # learning: panel title -> has data
         for title, expr in queries(board):
-            answer = instant(prom, expr.replace("$__rate_interval", window))
+            answer = instant(prom, scoped(expr, window))
             if answer["status"] != "success":
                 failures.append(f"{name}/{title}: {answer.get('error')}: {expr}")
                 continue
@@ -122,4 +175,34 @@ def test_every_panel_query_evaluates_and_busy_panels_have_data(stack: dict[str, 
                 failures.append(f"{name}/{title}: no data ({values}): {expr}")
         failures += [f"{name}/{title}: no data in any query" for title, ok in panels.items()
                      if not ok]  # fmt: skip
+        # The sync above is marked on every dashboard.
+        for title, expr in annotation_queries(board):
+            answer = instant(prom, scoped(expr, window).replace("[1m]", f"[{window}]"))
+            if answer["status"] != "success":
+                failures.append(f"{name}/annotation {title}: {answer.get('error')}: {expr}")
+            elif title == "Weight syncs" and not answer["data"]["result"]:
+                failures.append(f"{name}/annotation {title}: no sync marked: {expr}")
     assert not failures, "\n".join(failures)
+
+    # The alerts: silent while the loop turns (a stall may rightly show for a moment: samples
+    # short of a batch wait for the next turns).
+    alerts = chart_alerts()
+    assert not firing(prom, alerts) - {"ClawrlTrainerStalled"}
+    # The trainer stops (SIGSTOP: its /metrics stops answering) while turns keep coming: the
+    # judges publish samples nobody trains on.
+    trainer = listener(stack["trainer-metrics"])
+    published = total(prom, "sum(clawrl_judge_samples_total)")
+    trainer.suspend()
+    try:
+        down = 'up{job="trainer"} == 0'
+        wait_until(lambda: bool(instant(prom, down)["data"]["result"]), 30, "trainer down")
+        traffic(stack["gateway"], sessions=2)
+        wait_until(lambda: total(prom, "sum(clawrl_judge_samples_total)") > published, 120,
+                   "samples published while the trainer is stopped")  # fmt: skip
+        seen: list[set[str]] = []  # what fired at each evaluation
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: seen.append(firing(prom, alerts)) or seen[-1] == TRAINER_STOPPED,
+                       90, "the trainer's alerts")  # fmt: skip
+        assert seen[-1] == TRAINER_STOPPED
+    finally:
+        trainer.resume()

@@ -26,7 +26,8 @@ DIGEST = "sha256:" + "ab" * 32
 PIN_EVERY_IMAGE = tuple(
     f"{component}.image.digest={DIGEST}"
     for component in (
-        "gateway", "policyEngine", "judgeEngine", "judge", "trainer", "weightSync", "redis"
+        "gateway", "policyEngine", "judgeEngine", "judge", "trainer", "weightSync", "redis",
+        "redis.exporter",
     )
 )  # fmt: skip
 
@@ -63,6 +64,15 @@ def default_objects() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def promtool() -> str:
+    """Prometheus's own rule checker and tester."""
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is missing: make setup installs Debian's prometheus, which has it")
+    return path
+
+
+@pytest.fixture(scope="session")
 def crd_schema() -> Callable[[str, str], dict]:
     """`crd_schema(kind, version)`: the openAPIV3Schema of an upstream CRD kept in crds/."""
     schemas = {}
@@ -81,7 +91,9 @@ def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:
     kind = obj["kind"]
     name = obj["metadata"].get("name") or obj["metadata"]["generateName"]
     spec = obj.get("spec", {})
-    if kind in ("Deployment", "StatefulSet", "Job"):
+    if kind == "Pod":  # the `helm test` hook
+        yield f"{kind}/{name}", spec
+    elif kind in ("Deployment", "StatefulSet", "Job"):
         yield f"{kind}/{name}", spec["template"]["spec"]
     elif kind == "CronJob":
         yield f"{kind}/{name}", spec["jobTemplate"]["spec"]["template"]["spec"]

@@ -19,6 +19,13 @@ from tests.conftest import REPO
 
 DASHBOARDS = REPO / "helm" / "clawrl" / "dashboards"
 SGLANG_DOCUMENTED = Path(__file__).parent / "sglang_metrics.txt"
+EXTERNAL_DOCUMENTED = Path(__file__).parent / "external_metrics.txt"
+# What every selector of a dashboard matches: its namespace, its release's pods, the pods picked
+# (dcgm-exporter's series may name the GPU's pod in exported_namespace / exported_pod).
+SCOPE = re.compile(
+    r'(?:exported_)?namespace="\$namespace", (?:exported_)?pod=~"\$release-\.\+", '
+    r'(?:exported_)?pod=~"\$pod"'
+)
 # Words of PromQL that look like metric names but are not.
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
             "and", "or", "unless", "inf", "nan"}  # fmt: skip
@@ -44,6 +51,26 @@ def queries(dashboard: dict) -> list[tuple[str, str]]:
     ]
 
 
+def annotation_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(annotation name, PromQL) of every Prometheus annotation of a dashboard."""
+    return [(item["name"], item["expr"]) for item in dashboard["annotations"]["list"]]
+
+
+def unscoped(expr: str, scope: re.Pattern = SCOPE) -> list[str]:
+    """The selectors of a PromQL expression whose matchers do not start with `scope` (by
+    default the dashboards')."""
+    strings = [m.span() for m in re.finditer(r'"(?:[^"\\]|\\.)*"', expr)]
+    missing = []
+    for name in metric_names(expr):
+        for match in re.finditer(rf"(?<![\w:]){re.escape(name)}(?![\w:])", expr):
+            if any(start <= match.start() < end for start, end in strings):
+                continue  # inside a label value
+            rest = expr[match.end() :]
+            if not rest.startswith("{") or not scope.match(rest[1:]):
+                missing.append(f"{name}{rest[:60]}")
+    return missing
+
+
 def metric_names(expr: str) -> set[str]:
     """The metric names a PromQL expression selects."""
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
@@ -67,7 +94,9 @@ def exported(registry: CollectorRegistry) -> set[str]:
 
 
 def known_metric_names() -> set[str]:
-    """Names the services' metrics modules export, plus those SGLang documents."""
+    """Names the services' metrics modules export, plus those SGLang and the cluster's other
+    exporters (kube-state-metrics, cAdvisor, dcgm-exporter, redis_exporter, Ray, KubeRay)
+    document."""
     names = set()
     services = (GatewayMetrics(), EngineMetrics("model"), JudgeMetrics(), TrainerMetrics(),
                 WeightSyncMetrics())  # fmt: skip
@@ -77,5 +106,8 @@ def known_metric_names() -> set[str]:
         registry = CollectorRegistry()
         registry.register(GarbageCollection(service))
         names |= exported(registry)
-    documented = SGLANG_DOCUMENTED.read_text().splitlines()
+    documented = [
+        *SGLANG_DOCUMENTED.read_text().splitlines(),
+        *EXTERNAL_DOCUMENTED.read_text().splitlines(),
+    ]
     return names | {line.strip() for line in documented if line.strip() and line[0] != "#"}

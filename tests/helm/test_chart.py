@@ -27,7 +27,8 @@ from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 from tests.helm.conftest import CHART, CLUSTER_VALUES, EXAMPLE_VALUES, helm, pod_specs, render
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-CUSTOM = {("ray.io/v1", "RayJob"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM = {("ray.io/v1", "RayJob"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+          ("monitoring.coreos.com/v1", "PrometheusRule")}  # fmt: skip
 VALUES_FILES = [None, *EXAMPLE_VALUES]
 
 
@@ -118,7 +119,7 @@ def test_custom_resources_match_their_operators_crds(
 ) -> None:
     objects = objects_for(values)
     custom = [o for o in objects if (o["apiVersion"], o["kind"]) in CUSTOM]
-    assert {o["kind"] for o in custom} == {"RayJob", "ServiceMonitor"}
+    assert {o["kind"] for o in custom} == {"RayJob", "ServiceMonitor", "PrometheusRule"}
     for obj in custom:
         schema = crd_schema(obj["kind"], obj["apiVersion"].split("/")[1])
         assert not crd_errors(obj, schema), f"{obj['kind']}/{obj['metadata']['name']}"
@@ -241,8 +242,9 @@ def test_networkpolicies_keep_control_and_data_inside(default_objects: list[dict
         for peer in control["from"]
     }
     assert components == {"trainer", "weight-sync"}
-    redis = policies["clawrl-redis"]["ingress"]
-    assert redis == [
+    redis, scrape = policies["clawrl-redis"]["ingress"]  # clients; the exporter's scrapers
+    assert scrape["ports"] == [{"port": 9121}]
+    assert [redis] == [
         {
             "from": [
                 {

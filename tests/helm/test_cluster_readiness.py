@@ -15,7 +15,7 @@ from tests.helm.conftest import CHART, CLUSTER_VALUES, EXAMPLE_VALUES, helm, pod
 
 # Pod specs (pod_specs' names) by the values section that places them.
 PODS_OF = {
-    "gateway": ["Deployment/clawrl-gateway"],
+    "gateway": ["Deployment/clawrl-gateway", "Pod/clawrl-helm-test"],
     "policyEngine": ["Deployment/clawrl-policy-engine"],
     "judgeEngine": ["Deployment/clawrl-judge-engine"],
     "judge": ["Deployment/clawrl-judge"],
@@ -39,7 +39,9 @@ def pod_templates(objects: list[dict]) -> dict[str, dict]:
         spec = obj.get("spec", {})
         name = obj["metadata"].get("name") or obj["metadata"]["generateName"]
         kind = obj["kind"]
-        if kind in ("Deployment", "StatefulSet", "Job"):
+        if kind == "Pod":  # the `helm test` hook
+            found[f"{kind}/{name}"] = obj["metadata"]
+        elif kind in ("Deployment", "StatefulSet", "Job"):
             found[f"{kind}/{name}"] = spec["template"]["metadata"]
         elif kind == "CronJob":
             found[f"{kind}/{name}"] = spec["jobTemplate"]["spec"]["template"]["metadata"]
@@ -466,7 +468,7 @@ def test_the_rendered_redis_refuses_clients_without_the_password(tmp_path: Path)
     objects = render(sets=("redis.auth.existingSecret=redis-auth",))
     secret_env = {"REDIS_PASSWORD": "s3cret-pw"}
     (redis_pod,) = [s for w, s in pods(objects).items() if w.startswith("StatefulSet/")]
-    (container,) = redis_pod["containers"]
+    container = next(c for c in redis_pod["containers"] if c["name"] == "redis")
     env = dict(secret_env)
     env.update({e["name"]: expand(e["value"], env) for e in container["env"] if "value" in e})
     args = [expand(a, env) for a in container["args"]]

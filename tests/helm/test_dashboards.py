@@ -3,18 +3,28 @@ JSON that Grafana imports, shipped by the chart, and querying only metrics that 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy.grafana.dashboards import render_all
 from deploy.local.prometheus_local import write_config
-from tests.helm.conftest import render
-from tests.helm.dashboards import DASHBOARDS, dashboards, known_metric_names, metric_names, queries
+from tests.helm.conftest import CHART, CLUSTER_VALUES, helm, render
+from tests.helm.dashboards import (
+    DASHBOARDS,
+    annotation_queries,
+    dashboards,
+    known_metric_names,
+    metric_names,
+    queries,
+    unscoped,
+)
 
-EXPECTED = {"serving", "engines", "judge", "learning"}
+EXPECTED = {"serving", "engines", "judge", "learning", "cluster"}
 
 
 def test_the_committed_dashboards_are_the_generated_ones() -> None:
@@ -36,7 +46,10 @@ def test_dashboard_is_importable(name: str) -> None:
         assert panel["type"] == "timeseries" and panel["targets"], panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"])
-    assert [v["name"] for v in board["templating"]["list"]] == ["datasource"]
+    names = [v["name"] for v in board["templating"]["list"]]
+    assert names == ["datasource", "namespace", "release", "pod"]
+    assert all(panel["description"] for panel in board["panels"])
+    assert board["description"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -50,6 +63,61 @@ def test_every_queried_metric_exists(name: str) -> None:
     }
     assert not unknown
     assert all(metric_names(expr) for _, expr in queries(dashboards()[name]))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_query_is_scoped_to_one_namespace_release_and_pods(name: str) -> None:
+    board = dashboards()[name]
+    loose = {
+        (title, selector)
+        for title, expr in queries(board) + annotation_queries(board)
+        for selector in unscoped(expr)
+    }
+    assert not loose
+
+
+def test_the_scope_check_catches_a_loose_selector() -> None:
+    scoped = 'up{namespace="$namespace", pod=~"$release-.+", pod=~"$pod", job="x"}'
+    assert unscoped(scoped) == []
+    assert unscoped(f"{scoped} / up") == ["up"]
+    assert unscoped('up{namespace="$namespace", job="x"}')  # a second release's pods
+    assert unscoped('rate(x_total{pod=~"$pod"}[5m])')
+
+
+def test_pod_variable_drills_down_within_the_release() -> None:
+    variables = {v["name"]: v for v in dashboards()["serving"]["templating"]["list"]}
+    assert variables["pod"]["multi"] and variables["pod"]["includeAll"]
+    assert "$release" in variables["pod"]["definition"]
+    assert "$namespace" in variables["release"]["definition"]
+
+
+def test_annotations_mark_weight_syncs_and_version_changes() -> None:
+    for name, board in dashboards().items():
+        exprs = dict(annotation_queries(board))
+        assert "clawrl_weight_sync_syncs_total" in exprs["Weight syncs"], name
+        assert "clawrl_gateway_policy_version" in exprs["Policy version served"], name
+        assert all(metric_names(expr) <= known_metric_names() for expr in exprs.values())
+
+
+@pytest.mark.parametrize(
+    ("board", "title", "threshold"),
+    [("engines", "KV cache usage", 0.9), ("serving", "Error ratio (5xx)", 0.01)],
+)
+def test_saturation_and_error_panels_draw_their_threshold(
+    board: str, title: str, threshold: float
+) -> None:
+    panel = next(p for p in dashboards()[board]["panels"] if p["title"] == title)
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["thresholds"]["steps"][-1] == {"color": "red", "value": threshold}
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+
+
+def test_the_cluster_dashboard_shows_gpus_pods_redis_and_ray() -> None:
+    metrics = {m for _, expr in queries(dashboards()["cluster"]) for m in metric_names(expr)}
+    expected = {"DCGM_FI_DEV_GPU_UTIL", "kube_pod_container_status_restarts_total",
+                "kube_pod_container_status_last_terminated_reason", "redis_stream_length",
+                "clawrl_judge_redis_used_memory_bytes", "ray_node_gpus_utilization"}  # fmt: skip
+    assert expected <= metrics
 
 
 def test_the_metric_check_catches_a_misspelt_name() -> None:
@@ -74,6 +142,43 @@ def test_the_chart_ships_every_dashboard_labelled_for_grafana() -> None:
         for o in render(sets=("dashboards.enabled=false",))
         if "dashboard" in o["metadata"]["name"]
     ]
+
+
+def shipped_boards(release: str, namespace: str, *sets: str) -> dict[str, dict]:
+    args = ["template", release, str(CHART), "--namespace", namespace, "-f", str(CLUSTER_VALUES)]
+    for item in sets:
+        args += ["--set", item]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    maps = [o for o in yaml.safe_load_all(result.stdout) if o and o["kind"] == "ConfigMap"]
+    return {
+        key: {"board": json.loads(text), "annotations": m["metadata"].get("annotations", {})}
+        for m in maps
+        for key, text in m["data"].items()
+        if key.endswith(".json")
+    }
+
+
+def test_each_release_ships_its_own_dashboards_opening_on_itself() -> None:
+    first = shipped_boards("first", "ml")
+    second = shipped_boards("second", "ml")
+    elsewhere = shipped_boards("first", "staging")
+    for name in first:
+        uids = {b[name]["board"]["uid"] for b in (first, second, elsewhere)}
+        assert len(uids) == 3 and all(len(uid) <= 40 for uid in uids)  # Grafana's uid limit
+        board = second[name]["board"]
+        assert "ml/second" in board["title"]
+        current = {v["name"]: v["current"].get("value") for v in board["templating"]["list"]}
+        assert current["namespace"] == "ml" and current["release"] == "second-clawrl"
+        # The generated dashboard, with only its identity changed.
+        generated = dashboards()[name.removesuffix(".json")]
+        assert board["panels"] == generated["panels"]
+        assert second[name]["annotations"] == {"grafana_folder": "clawrl"}
+    custom = shipped_boards("x", "ml", "dashboards.folder=LLM", "dashboards.folderAnnotation=f")
+    assert {b["annotations"]["f"] for b in custom.values()} == {"LLM"}
+    assert not any(
+        b["annotations"] for b in shipped_boards("x", "ml", "dashboards.folder=").values()
+    )
 
 
 def test_the_local_prometheus_config_passes_promtool(tmp_path: Path) -> None:

@@ -35,6 +35,10 @@ WRITES: dict[str, tuple[str, ...]] = {
     "fetch-judge-tokenizer": (*TMP, "/models"),
     # The append-only file; redis-server writes nothing else.
     "redis": ("/data",),
+    # redis_exporter (Go) keeps everything in memory.
+    "redis-exporter": (),
+    # The `helm test` hook: Python's tempfile at most.
+    "gateway-turn": TMP,
 }
 # Environment variables naming a directory a program writes: each must lie on a writable volume.
 WRITTEN_DIRS_ENV = ("HOME", "HF_HOME", "TMPDIR", "XDG_CACHE_HOME", "TRITON_CACHE_DIR")

@@ -472,17 +472,39 @@ spec:
     {{- end }}
 {{- end }}
 
+{{/* "true" when the trainer's head runs the weight-sync launcher (weightSync enabled, transport disk; with nccl the trainer syncs itself), else "false". Call with the root context. */}}
+{{- define "clawrl.weightSyncLauncher" -}}
+{{- and .Values.weightSync.enabled (eq .Values.weightSync.transport "disk") }}
+{{- end }}
+
+{{/* Where a weight sync finds every gateway replica (GatewayControl on 30001 of the headless control Service) and every policy engine replica (30000 of the headless -replicas Service), as clawrl settings sections gateways and engines (YAML): the weight-sync Job's, and the trainer's with weightSync.transport nccl. Call with the root context. */}}
+{{- define "clawrl.syncTargets" -}}
+gateways:
+  service: {{ printf "%s-control.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "gateway")) .Release.Namespace }}
+  port: 30001
+engines:
+  service: {{ printf "%s-replicas.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "policy-engine")) .Release.Namespace }}
+  port: 30000
+{{- end }}
+
+{{/* CLAWRL_GATEWAYS__TOKEN from gateway.controlTokenSecret (nothing without one): the bearer token a weight sync sends to GatewayControl. Call with the root context. */}}
+{{- define "clawrl.controlTokenEnv" -}}
+{{- with .Values.gateway.controlTokenSecret }}
+- name: CLAWRL_GATEWAYS__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: token
+{{- end }}
+{{- end }}
+
 {{/* The weight-sync Job's spec: pause every gateway replica, load a policy version into every policy engine, resume. The launcher instantiates it per version (ConfigMap <release>-weight-sync; it adds `run --version N --path P`); the suspended CronJob carries the same spec with `run` (the newest announced version). Call with (dict "root" $ "args" (list "run")); args may be omitted. */}}
 {{- define "clawrl.weightSyncJobSpec" -}}
 {{- $args := .args }}
 {{- with .root }}
 {{- $ctx := dict "root" . "component" "weight-sync" }}
 {{- $v := .Values.weightSync }}
-{{- $gateways := printf "%s-control.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "gateway")) .Release.Namespace }}
-{{- $engines := printf "%s-replicas.%s.svc" (include "clawrl.componentName" (dict "root" . "component" "policy-engine")) .Release.Namespace }}
-{{- $settings := dict
-  "gateways" (dict "service" $gateways "port" 30001)
-  "engines" (dict "service" $engines "port" 30000) }}
+{{- $settings := include "clawrl.syncTargets" . | fromYaml }}
 backoffLimit: {{ $v.backoffLimit }}
 activeDeadlineSeconds: {{ $v.activeDeadlineSeconds }}
 ttlSecondsAfterFinished: {{ $v.ttlSecondsAfterFinished }}
@@ -511,12 +533,8 @@ template:
         {{- end }}
         env:
           {{- include "clawrl.env" (dict "root" . "settings" $settings "values" $v "redis" true) | trim | nindent 10 }}
-          {{- with .Values.gateway.controlTokenSecret }}
-          - name: CLAWRL_GATEWAYS__TOKEN
-            valueFrom:
-              secretKeyRef:
-                name: {{ . }}
-                key: token
+          {{- with include "clawrl.controlTokenEnv" . | trim }}
+          {{- . | nindent 10 }}
           {{- end }}
         resources:
           {{- toYaml $v.resources | nindent 10 }}
