@@ -274,6 +274,16 @@ def test_generated_names_stay_under_kuberays_limit() -> None:
     assert len(f"{release}-clawrl-trainer") > 47  # the test means something
 
 
+def test_a_release_name_kuberay_cannot_take_fails_at_render() -> None:
+    """KubeRay names the RayJob's cluster and Services after it: DNS-1035, a letter first."""
+    result = helm("template", "2026-run", str(CHART), "-f", str(CLUSTER_VALUES))
+    assert result.returncode != 0 and "start with a letter" in result.stderr
+    fixed = helm("template", "2026-run", str(CHART), "-f", str(CLUSTER_VALUES),
+                 "--set", "fullnameOverride=run-2026")  # fmt: skip
+    assert fixed.returncode == 0, fixed.stderr
+    assert "name: run-2026-trainer-" in fixed.stdout
+
+
 def test_ray_counts_cpus_explicitly(default_objects: list[dict]) -> None:
     """Without a CPU limit Ray would count every CPU of the node; the head does no Ray work."""
     cluster = rayjob(default_objects)["spec"]["rayClusterSpec"]
