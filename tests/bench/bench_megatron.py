@@ -1,6 +1,6 @@
 """Benchmark: tokens/s of a training step (log-prob recompute + PPO step), the Megatron backend
-at TP=1 and TP=N against the PyTorch backend, on CPU with the same fixed batch. Prints a table;
-asserts nothing.
+at TP=1 and TP=N against the PyTorch backend, on CPU with the same fixed batch, and the time of
+an HF export for the disk sync (Megatron: through mbridge). Prints a table; asserts nothing.
 
 SmolLM2-135M has 9 attention heads and 3 KV heads, so TP=2 is impossible for it (the layout check
 refuses it, printed below); its multi-rank figure is at TP=3. On this 2-core machine TP>1 runs
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,8 +66,13 @@ async def measure(name: str, backend, model_dir: Path, args) -> dict:
             times.append(time.perf_counter() - started)
     step_s = sum(times) / len(times)
     tokens = int(batch.lengths.sum())
+    with tempfile.TemporaryDirectory() as export_dir:
+        started = time.perf_counter()
+        await backend.call("export_hf", Path(export_dir))
+        export_s = time.perf_counter() - started
     return {"backend": name, "load_s": load_s, "step_s": step_s, "tokens": tokens,
-            "tokens_per_s": tokens / step_s, "loss": metrics["loss"]}  # fmt: skip
+            "tokens_per_s": tokens / step_s, "loss": metrics["loss"],
+            "export_s": export_s}  # fmt: skip
 
 
 def settings_for(args, backend: str, tp: int) -> TrainerSettings:
@@ -89,11 +95,13 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{args.model}: batch {args.batch} x ({args.prompt} prompt + {args.response} "
           f"response), micro-batch budget {args.micro_batch_tokens}, {args.steps} timed steps "
           f"(+1 warm-up); a step = log-prob recompute + PPO step")  # fmt: skip
-    print(f"{'backend':<16}{'load s':>9}{'step s':>9}{'tokens/s':>10}{'loss':>10}", flush=True)
+    print(f"{'backend':<16}{'load s':>9}{'step s':>9}{'tokens/s':>10}{'loss':>10}{'export s':>10}",
+          flush=True)  # fmt: skip
 
     def show(r: dict) -> None:
         print(f"{r['backend']:<16}{r['load_s']:>9.1f}{r['step_s']:>9.1f}"
-              f"{r['tokens_per_s']:>10.1f}{r['loss']:>10.4f}", flush=True)  # fmt: skip
+              f"{r['tokens_per_s']:>10.1f}{r['loss']:>10.4f}{r['export_s']:>10.1f}",
+              flush=True)  # fmt: skip
 
     torch.set_num_threads(2)
     torch_settings = settings_for(args, "torch", 1)

@@ -1,7 +1,9 @@
 """GPU checks of the Megatron backend (one GPU, NCCL, no Ray): run by tests/gpu/run_checks.sh.
 
-1. Log-probs of Megatron's GPTModel (fp32, TP=1, NCCL group of one) equal transformers' on the
-   same tokens, for tiny random Llama / Qwen2 / Qwen3 models; prints the max abs difference.
+1. Log-probs of Megatron's GPTModel (fp32, TP=1, NCCL group of one, loaded through mbridge)
+   equal transformers' on the same tokens, for tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE
+   models, and mbridge's export gives back the checkpoint's tensors; prints the max abs
+   differences.
 2. PPO steps on a fixed batch in bf16 with Megatron's DDP + optimizer: the loss falls and a
    positive advantage raises its tokens' log-probs; prints tokens/s of a step on the largest
    model of the list that fits the time (random weights of a real model's shape).
@@ -27,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,6 +156,13 @@ def main() -> int:
         print(f"[logprobs] {family}: max |megatron - transformers| = {diff:.2e} (fp32, TP=1)")
         if diff > 1e-4:
             failures.append(f"{family} log-probs differ by {diff}")
+        saved, exported = load_file(work / family / "model.safetensors"), r.gather_hf()
+        wrong = sorted(set(saved) ^ set(exported)) or [
+            n for n, t in saved.items() if not torch.equal(exported[n].cpu(), t)
+        ]
+        print(f"[export] {family}: {len(exported)} tensors, {len(wrong)} differ or are missing")
+        if wrong:
+            failures.append(f"{family} export differs from the checkpoint: {wrong[:3]}")
         r.close()
 
     started = time.perf_counter()

@@ -1,6 +1,7 @@
-"""Megatron GPTModel vs HF transformers on tiny random Llama / Qwen2 / Qwen3 models, at TP=1 and
-at TP=2 (two real processes on gloo): log-probs, entropy, top-K log-probs, gradients and the
-gradient norm agree to fp32 rounding; the TP shards gather back to exactly the HF weights."""
+"""Megatron GPTModel loaded through mbridge vs HF transformers on tiny random Llama / Qwen2 / Qwen3
+/ Qwen3-MoE models, at TP=1 and at TP=2 (two real processes on gloo): log-probs, entropy, top-K
+log-probs, gradients and the gradient norm agree to fp32 rounding; mbridge's export of the TP
+shards gives back exactly the HF checkpoint's tensors."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.integration
 TOL = 2e-5  # fp32; seen ~1e-6
 
 
-def run_ranks(tp: int) -> list[dict]:
+def run_ranks(tp: int, directory) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{os.environ.get('PYTHONPATH', '')}:{REPO}"}
     procs = [
@@ -30,6 +31,7 @@ def run_ranks(tp: int) -> list[dict]:
                 str(r),
                 str(tp),
                 str(port),
+                str(directory),
             ],
             cwd=REPO,
             env=env,
@@ -48,8 +50,8 @@ def run_ranks(tp: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_matches_transformers(tp):
-    results = run_ranks(tp)
+def test_megatron_matches_transformers(tp, tmp_path):
+    results = run_ranks(tp, tmp_path)
     assert [r["rank"] for r in results] == list(range(tp))
     for result in results:
         for family, diffs in result["families"].items():

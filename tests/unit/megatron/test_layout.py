@@ -125,3 +125,19 @@ def test_cpu_refuses_more_ranks_than_kv_heads(tmp_path):
     with pytest.raises(LayoutError, match="cannot exceed the model's 2 KV heads"):
         check_layout(settings, tmp_path)
     check_layout(TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=2)), tmp_path)
+
+
+def test_moe_layouts_that_cannot_run_are_refused_with_the_reason():
+    from transformers import Qwen3MoeConfig
+
+    from tests.unit.megatron.tiny import MOE
+
+    shape = ModelShape.from_hf_config(tiny_configs()["qwen3_moe"])
+    assert (shape.num_experts, shape.experts_per_token, shape.moe_ffn_hidden_size) == (4, 2, 16)
+    check_tensor_parallel(shape, 1)
+    with pytest.raises(LayoutError, match=r"trains at TP=1 only.*no sequence parallelism"):
+        check_tensor_parallel(shape, 2)
+    with pytest.raises(LayoutError, match=r"mlp_only_layers=\[1\] is not supported"):
+        ModelShape.from_hf_config(Qwen3MoeConfig(mlp_only_layers=[1], **MOE, **COMMON))
+    with pytest.raises(LayoutError, match="decoder_sparse_step=2 is not supported"):
+        ModelShape.from_hf_config(Qwen3MoeConfig(decoder_sparse_step=2, **MOE, **COMMON))

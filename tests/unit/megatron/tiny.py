@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 COMMON = {
     "hidden_size": 32,
@@ -16,11 +16,20 @@ COMMON = {
     "max_position_embeddings": 256,
 }
 
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
+
 
 def tiny_configs() -> dict[str, object]:
     """One config per family, each exercising a different feature: Llama with llama3 RoPE
     scaling and untied embeddings, Qwen2 with qkv biases and a vocabulary TP=2 must pad, Qwen3
-    with QK-norm, an explicit head_dim and tied embeddings."""
+    with QK-norm, an explicit head_dim and tied embeddings, Qwen3-MoE with 4 experts (top 2,
+    renormalised as the released models do) in every layer."""
     llama3_rope = {
         "rope_type": "llama3",
         "rope_theta": 10000.0,
@@ -33,6 +42,7 @@ def tiny_configs() -> dict[str, object]:
         "llama": LlamaConfig(vocab_size=100, rope_parameters=llama3_rope, **COMMON),
         "qwen2": Qwen2Config(vocab_size=101, tie_word_embeddings=False, **COMMON),
         "qwen3": Qwen3Config(vocab_size=100, head_dim=8, tie_word_embeddings=True, **COMMON),
+        "qwen3_moe": Qwen3MoeConfig(vocab_size=100, head_dim=8, **MOE, **COMMON),
     }
 
 

@@ -22,11 +22,11 @@ def model_dir() -> Path:
     return resolve_model_dir(ModelSettings(path=SMOLLM2_TINY))
 
 
-def samples() -> list[Sample]:
+def samples(vocab: int = 49152) -> list[Sample]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for i, (p, r) in enumerate([(5, 3), (2, 7), (9, 1), (4, 4)]):
-        ids = torch.randint(0, 49152, (p + r,), generator=gen).tolist()
+        ids = torch.randint(0, vocab, (p + r,), generator=gen).tolist()
         out.append(Sample(sample_id=f"s:{i}", session_id="s", prompt_ids=ids[:p],
                           response_ids=ids[p:], old_logprobs=[-1.0] * r, loss_mask=[1.0] * r,
                           reward=1.0 if i % 2 else -1.0))  # fmt: skip

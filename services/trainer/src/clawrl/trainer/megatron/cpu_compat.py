@@ -10,6 +10,16 @@ tensor-parallel layers, vocab-parallel cross entropy -- runs as shipped, on gloo
    allocates on CPU.
 3. `CudaRNGStatesTracker` forks CUDA generator states (weight init and dropout inside
    model-parallel regions); a tracker with the same interface over the CPU generator is installed.
+4. `Router.gating` (MoE) moves the router's weight to `torch.cuda.current_device()` when it finds
+   it on CPU; the replacement computes the same gating linear where the weight lives.
+
+One fix applies on every device without Transformer Engine (this backend's local spec needs
+none), by `define_missing_te_names()`: megatron-core 0.16.1's MoE router gating reads
+`moe_utils.te_general_gemm`, a name bound only when TE imports (NameError otherwise); binding it
+to None sends the router down Megatron's own torch path.
+
+MoE also needs, as configuration rather than patches (`bridge.runtime_overrides`): the allgather
+token dispatcher (alltoall opens a `torch.cuda.Stream()` when built) and no grouped GEMM.
 
 Still unsupported on CPU (megatron-core assumes CUDA too widely there): its DDP wrapper,
 `get_megatron_optimizer`/DistributedOptimizer and `dist_checkpointing` -- the CPU backend uses a
@@ -49,6 +59,16 @@ def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) 
     return buffer[0:required_len].view(*tensor_shape)
 
 
+def _router_gating_in_place(self, input: torch.Tensor) -> torch.Tensor:
+    """Router.gating without the move to CUDA: logits in the router dtype."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+        self.config.moe_router_dtype, input.dtype
+    )
+    return router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+
 def _cpu_rng_tracker_class():
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
@@ -79,6 +99,14 @@ def _cpu_rng_tracker_class():
     return CpuRNGStatesTracker
 
 
+def define_missing_te_names() -> None:
+    """Bind `moe_utils.te_general_gemm` to None when Transformer Engine is absent (any device)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_workarounds() -> None:
     """Patch megatron-core for CPU in this process (idempotent; never call it on a GPU run)."""
     if _APPLIED:
@@ -86,8 +114,11 @@ def apply_cpu_workarounds() -> None:
     from megatron.core import utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe.router import Router
 
     RotaryEmbedding.get_emb = _rope_emb_in_place
+    Router.gating = _router_gating_in_place
+    define_missing_te_names()
     utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
     tp_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

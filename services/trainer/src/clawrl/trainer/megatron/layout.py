@@ -1,15 +1,16 @@
-"""The shape of a Llama / Qwen2 / Qwen3 model as Megatron sees it, read from its HF config, and the
-tensor-parallel layouts it admits (an impossible one is refused with a clear message)."""
+"""The shape of a Llama / Qwen2 / Qwen3 / Qwen3-MoE model as Megatron sees it, read from its HF
+config, and the tensor-parallel layouts it admits (an impossible one is refused with a clear
+message). The weight layout itself is mbridge's (`bridge.py`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Families proven on CPU against transformers (mbridge maps more; each needs its proof first).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # RoPE variants whose inverse frequencies carry the whole change (no attention scaling factor).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -20,21 +21,21 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the HF <-> Megatron mapping and the GPTModel builder need to know about a model."""
+    """What the layout checks and the GPTModel builder need to know about a model."""
 
     model_type: str
-    num_layers: int
-    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
     tied_embeddings: bool
-    qkv_bias: bool
     qk_norm: bool
-    norm_eps: float
-    max_positions: int
+    # Mixture of experts (0 experts: a dense MLP everywhere).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -53,27 +54,39 @@ class ModelShape:
             raise LayoutError(f"{model_type} with attention_bias=True is not supported")
         if getattr(config, "use_sliding_window", False):
             raise LayoutError("sliding-window attention is not supported")
+        moe = _moe_fields(config) if model_type == "qwen3_moe" else {}
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(
             model_type=model_type,
-            num_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
-            norm_eps=float(config.rms_norm_eps),
-            max_positions=config.max_position_embeddings,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
-    def padded_vocab(self, tp: int) -> int:
-        """Vocabulary rows after padding so each TP rank holds an equal slice."""
-        return math.ceil(self.vocab_size / tp) * tp
+
+def _moe_fields(config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's experts; layouts the local spec cannot express are refused."""
+    if getattr(config, "mlp_only_layers", None):
+        raise LayoutError(
+            f"mlp_only_layers={config.mlp_only_layers} is not supported (every layer must be MoE)"
+        )
+    if getattr(config, "decoder_sparse_step", 1) != 1:
+        raise LayoutError(
+            f"decoder_sparse_step={config.decoder_sparse_step} is not supported "
+            "(every layer must be MoE)"
+        )
+    return {
+        "num_experts": config.num_experts,
+        "experts_per_token": config.num_experts_per_tok,
+        "moe_ffn_hidden_size": config.moe_intermediate_size,
+        "norm_topk_prob": bool(config.norm_topk_prob),
+    }
 
 
 def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
@@ -86,7 +99,19 @@ def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
     kv = shape.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by it")
-    if shape.ffn_hidden_size % tp:
+    if shape.num_experts and tp > 1:
+        # megatron-core 0.16.1's MoELayer.forward raises in training when TP > 1 runs without
+        # sequence parallelism, and this backend's forward (full sequences, gloo on CPU) has none.
+        problems.append(
+            "a mixture-of-experts model trains at TP=1 only here (megatron-core refuses MoE with "
+            "tensor parallelism but no sequence parallelism, which this backend does not run)"
+        )
+    if shape.num_experts:
+        if shape.moe_ffn_hidden_size % tp:
+            problems.append(
+                f"moe_intermediate_size={shape.moe_ffn_hidden_size} is not divisible by it"
+            )
+    elif shape.ffn_hidden_size % tp:
         problems.append(f"intermediate_size={shape.ffn_hidden_size} is not divisible by it")
     if problems:
         raise LayoutError(
@@ -95,11 +120,18 @@ def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
         )
 
 
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or older ones'
+    `rope_theta` + `rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_theta": config.rope_theta, **(getattr(config, "rope_scaling", None) or {})}
+    return params
+
+
 def rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
     """RoPE inverse frequencies exactly as transformers computes them: [head_dim // 2]."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:  # transformers < 5: rope_theta + rope_scaling
-        params = {"rope_theta": config.rope_theta, **(getattr(config, "rope_scaling", None) or {})}
+    params = rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise LayoutError(

@@ -3,9 +3,9 @@
 every method is called on all ranks at once (they meet in the TP collectives).
 
 Device split (DESIGN.md §4): the model, the parallel layout, the log-probs and the losses are
-Megatron's everywhere; on CPU the optimizer is torch's AdamW with a TP-aware gradient clip and
-the checkpoint is one torch file per rank; on GPUs it is Megatron's DDP + optimizer (fp32 master
-weights under bf16).
+Megatron's everywhere, and Hugging Face weights go in and out through mbridge (`bridge.py`); on
+CPU the optimizer is torch's AdamW with a TP-aware gradient clip and the checkpoint is one torch
+file per rank; on GPUs it is Megatron's DDP + optimizer (fp32 master weights under bf16).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from clawrl.trainer.backend import (
@@ -30,10 +29,9 @@ from clawrl.trainer.backend import (
 )
 from clawrl.trainer.backend import response_targets as targets_of
 from clawrl.trainer.losses import LossConfig, TokenTerms
+from clawrl.trainer.megatron import bridge as mb
 from clawrl.trainer.megatron import logprobs as vp
 from clawrl.trainer.megatron.layout import ModelShape, check_tensor_parallel
-from clawrl.trainer.megatron.mapping import megatron_to_hf
-from clawrl.trainer.megatron.model import build_gpt_model, load_hf_weights
 
 
 @dataclass(frozen=True)
@@ -50,19 +48,6 @@ class RankConfig:
     beta2: float
     weight_decay: float
     grad_clip: float
-
-
-def read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
-    """Every tensor of the safetensors files of an HF directory (on CPU)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    return tensors
 
 
 def node_address() -> str:
@@ -168,9 +153,9 @@ class MegatronRank:
 
     # --- loading ---------------------------------------------------------------------------------
 
-    def _build(self, hf_config, hf: dict[str, Tensor]):
-        model = build_gpt_model(hf_config, self.cfg.tp, self.dtype, self.device)
-        load_hf_weights(model, hf, self.shape, self.tp_rank, self.cfg.tp)
+    def _build(self, hf_config):
+        model = mb.build_model(self.bridge, hf_config, self.device)
+        mb.load_hf_dir(self.bridge, model, self.model_dir)
         # Only the response rows go through the output layer (see `_response_logits`).
         model.post_process = False
         return model
@@ -183,13 +168,12 @@ class MegatronRank:
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = ModelShape.from_hf_config(hf_config)
         check_tensor_parallel(self.shape, self.cfg.tp)
-        hf = read_hf_tensors(self.model_dir)
-        if self.shape.tied_embeddings:
-            hf.pop("lm_head.weight", None)
-        self.model = self._build(hf_config, hf)
+        on_gpu = self.device.type == "cuda"
+        self.bridge = mb.make_bridge(hf_config, self.shape, self.cfg.tp, self.dtype, on_gpu)
+        self.model = self._build(hf_config)
         self.model.train()
         if load_reference:
-            self.reference = self._build(hf_config, hf).eval().requires_grad_(False)
+            self.reference = self._build(hf_config).eval().requires_grad_(False)
         self.optimizer = self._make_optimizer()
 
     def vocab_size(self) -> int:
@@ -334,20 +318,14 @@ class MegatronRank:
         """This rank's slices by Megatron name (the DDP wrapper's prefix removed)."""
         return {name: param.detach() for name, param in self._gpt(self.model).named_parameters()}
 
-    def gather_hf(self) -> dict[str, Tensor] | None:
-        """The full HF state dict on rank 0 (None elsewhere), gathered tensor by tensor."""
-        local = self.local_parameters()
-        shards: list[dict[str, Tensor]] = [{} for _ in range(self.cfg.tp)]
-        for name in sorted(local):
-            tensor = local[name].contiguous()
-            parts = (
-                [torch.empty_like(tensor) for _ in range(self.cfg.tp)] if self.rank == 0 else None
-            )
-            torch.distributed.gather(tensor, parts, dst=0)
+    def gather_hf(self, device: str = "cpu") -> dict[str, Tensor] | None:
+        """The full HF state dict on rank 0 (None elsewhere): mbridge's export, tensor by tensor
+        (each one all-gathered over the TP group, so every rank iterates)."""
+        hf = {}
+        for name, tensor in mb.export_hf(self.bridge, self._gpt(self.model)):
             if self.rank == 0:
-                for r, part in enumerate(parts):
-                    shards[r][name] = part.cpu()
-        return megatron_to_hf(shards, self.shape) if self.rank == 0 else None
+                hf[name] = tensor.to(device)
+        return hf if self.rank == 0 else None
 
     def export_hf(self, path: Path) -> None:
         """Rank 0 writes config, safetensors and tokenizer files into `path`."""
@@ -405,9 +383,10 @@ class MegatronRank:
         loop.close()
 
     def broadcast_weights(self, version: int) -> int:
-        """Gather the HF tensors from the TP shards (all ranks) and broadcast them from rank 0
-        to the connected engines; -> buckets sent (0 on other ranks)."""
-        hf = self.gather_hf()
+        """Gather the HF tensors from the TP shards (all ranks, through mbridge; kept on the
+        device NCCL sends from) and broadcast them from rank 0 to the connected engines;
+        -> buckets sent (0 on other ranks)."""
+        hf = self.gather_hf(device=str(self.device))
         if self.rank != 0:
             return 0
         if getattr(self, "_sender", None) is None:
