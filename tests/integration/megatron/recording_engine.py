@@ -4,7 +4,10 @@
 really joins the group and really receives each announced tensor from rank 0's broadcast, and
 serves what it recorded (with a checksum of every received tensor) at GET /recorded. Like an
 engine it reports its weight_version (set by the last bucket or a disk load) at
-/get_model_info. POST /refuse makes it answer `success: false` to every distributed update
+/get_model_info. Like SGLang 0.5.23 it refuses a distributed update outside a weight-update
+session (/begin_weight_update .. /end_weight_update), at once and without receiving, and leaves
+a group on /destroy_weights_update_group; GET /sessions lists those calls in order.
+POST /refuse makes it answer `success: false` to every distributed update
 (after receiving the tensors, so the collectives stay in step) and/or to disk loads of a
 directory of a given name. It receives into DEVICE (cpu; cuda for NCCL in tests/gpu/checks.py,
 which is why it needs no pytest)."""
@@ -20,7 +23,7 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
-from clawrl.common.process_groups import join_group, receive_broadcast
+from clawrl.common.process_groups import destroy_group, join_group, receive_broadcast
 
 
 @contextmanager
@@ -47,22 +50,28 @@ def recording_engines(count: int, log_dir: Path) -> Iterator[list[str]]:
 def make_app(device: str = "cpu") -> web.Application:
     calls: list[dict] = []
     state: dict = {"weight_version": "0", "model_path": "initial", "refuse": {}}
+    sessions: list[str] = []  # "begin", "end", "destroy NAME", in order
+    groups: dict = {}
 
     async def init_group(request: web.Request) -> web.Response:
         body = await request.json()
         calls.append({"path": "/init_weights_update_group", "body": body})
-        state["group"] = await asyncio.to_thread(
+        groups[body["group_name"]] = await asyncio.to_thread(
             join_group, body["backend"], body["master_address"], body["master_port"],
             body["rank_offset"], body["world_size"], body["group_name"],
         )  # fmt: skip
         return web.json_response({"success": True, "message": "joined"})
 
     def receive(body: dict) -> list[float]:
-        tensors = receive_broadcast(state["group"], body["dtypes"], body["shapes"], device)
+        group = groups[body["group_name"]]
+        tensors = receive_broadcast(group, body["dtypes"], body["shapes"], device)
         return [float(tensor.double().sum()) for tensor in tensors]
 
     async def update(request: web.Request) -> web.Response:
         body = await request.json()
+        if not state.get("session"):
+            message = "must run between begin_weight_update() and end_weight_update()"
+            return web.json_response({"success": False, "message": message}, status=400)
         sums = await asyncio.to_thread(receive, body)
         calls.append({"path": "/update_weights_from_distributed", "body": body, "sums": sums})
         if state["refuse"].get("distributed"):
@@ -85,6 +94,27 @@ def make_app(device: str = "cpu") -> web.Application:
             {"model_path": state["model_path"], "weight_version": state["weight_version"]}
         )
 
+    async def session(request: web.Request) -> web.Response:
+        begin = request.path == "/begin_weight_update"
+        sessions.append("begin" if begin else "end")
+        if bool(state.get("session")) == begin:
+            return web.json_response({"success": False, "message": "session"}, status=400)
+        state["session"] = begin
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def destroy(request: web.Request) -> web.Response:
+        name = (await request.json())["group_name"]
+        sessions.append(f"destroy {name}")
+        group = groups.pop(name, None)
+        if group is None:
+            return web.json_response({"success": False, "message": "no such group"}, status=400)
+        destroy_group(group)
+        del group  # closes its connections
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    async def list_sessions(request: web.Request) -> web.Response:
+        return web.json_response(sessions)
+
     async def refuse(request: web.Request) -> web.Response:
         state["refuse"] = await request.json()
         return web.json_response({})
@@ -99,6 +129,10 @@ def make_app(device: str = "cpu") -> web.Application:
     app.router.add_post("/init_weights_update_group", init_group)
     app.router.add_post("/update_weights_from_distributed", update)
     app.router.add_post("/update_weights_from_disk", from_disk)
+    app.router.add_post("/begin_weight_update", session)
+    app.router.add_post("/end_weight_update", session)
+    app.router.add_post("/destroy_weights_update_group", destroy)
+    app.router.add_get("/sessions", list_sessions)
     app.router.add_post("/refuse", refuse)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/recorded", recorded)

@@ -5,6 +5,7 @@ engine, which receives over gloo and then serves the broadcast weights."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -64,6 +65,7 @@ async def test_broadcast_reaches_every_engine_bucket_by_bucket(engines):
     for rank_offset, url in zip([1, 2], engines, strict=True):
         async with httpx.AsyncClient() as client:
             calls = (await client.get(url + "/recorded")).json()
+            sessions = (await client.get(url + "/sessions")).json()
         init, *updates = calls
         assert init == {"path": "/init_weights_update_group", "body": {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": rank_offset,
@@ -80,6 +82,8 @@ async def test_broadcast_reaches_every_engine_bucket_by_bucket(engines):
         received = [s for c in updates for s in c["sums"]]
         expected = [float(t.double().sum()) for _, t in named]
         assert received == pytest.approx(expected, rel=1e-12, abs=1e-9)
+        # The updates ran inside one session (refused outside it); aclose left the group.
+        assert sessions == ["begin", "end", "destroy test-weights"]
 
 
 def load_from_disk(url: str, path, version: str) -> dict:
@@ -119,3 +123,71 @@ async def test_the_cpu_engine_receives_the_broadcast_and_serves_it(engine, tmp_p
     finally:  # the other tests of this engine expect its initial weights
         load_from_disk(engine, tiny_dir(), "0")
     assert engine_weights(engine) == ("0", before)
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    return httpx.post(url + path, json=body, timeout=60).json()
+
+
+UNKNOWN_GROUP = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+                 "group_name": "no-such-group"}  # fmt: skip
+# SGLang 0.5.23's replies (status, success, message) to its weight-update session calls, in this
+# order on an engine that has joined no group; tests/sglang/test_distributed_update.py checks
+# the same list against SGLang itself.
+SESSION_REPLIES = [
+    ("/end_weight_update", {}, 400,
+     "no weight-update session is open; call begin_weight_update() first"),
+    ("/update_weights_from_distributed", UNKNOWN_GROUP, 400,
+     "update_weights_from_distributed must run between begin_weight_update() and "
+     "end_weight_update()"),
+    ("/begin_weight_update", {}, 200, "Success"),
+    ("/begin_weight_update", {}, 400,
+     "a weight-update session is already open; call end_weight_update() first"),
+    ("/update_weights_from_distributed", UNKNOWN_GROUP, 400,
+     "Failed to receive weights: Group no-such-group not in []. Please call "
+     "`init_weights_update_group` first."),
+    ("/end_weight_update", {}, 200, "Success"),
+    ("/destroy_weights_update_group", {"group_name": "no-such-group"}, 400,
+     "The group to be destroyed does not exist."),
+]  # fmt: skip
+
+
+def session_replies(url: str) -> list[tuple]:
+    """SESSION_REPLIES' calls made on `url`, with what it answered."""
+    replies = []
+    for path, body, _, _ in SESSION_REPLIES:
+        reply = httpx.post(url + path, json=body, timeout=60)
+        content = reply.json()
+        assert content["success"] == (reply.status_code == 200), content
+        replies.append((path, body, reply.status_code, content["message"]))
+    return replies
+
+
+def test_the_cpu_engine_answers_the_session_calls_as_sglang(engine):  # noqa: F811
+    assert session_replies(engine) == SESSION_REPLIES
+
+
+async def test_an_engine_refusing_a_bucket_unreceived_does_not_hold_rank_0(engine):  # noqa: F811
+    """The CPU engine refuses a float64 bucket before receiving it (`success: false`, as SGLang
+    refuses one outside a session or for an unknown group): rank 0's broadcast would wait out
+    the group's timeout (60 s here); instead the group is destroyed on both sides at once, the
+    session closed, and the old weights keep serving."""
+    name = f"test-{uuid.uuid4().hex[:6]}"
+    sender = BroadcastSender([Engine(engine)], "127.0.0.1", free_port(), group_name=name,
+                             backend="gloo", timeout_s=60)  # fmt: skip
+    try:
+        before = engine_weights(engine)
+        await sender.connect()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="dtype float64 is not one of"):
+            await sender.send([("model.norm.weight", torch.zeros(64, dtype=torch.float64))], 9)
+        assert time.monotonic() - started < 15
+        assert sender.group is None
+    finally:
+        await sender.aclose()
+    gone = post(engine, "/destroy_weights_update_group", {"group_name": name})
+    assert gone == {"success": False, "message": "The group to be destroyed does not exist.",
+                    "num_paused_requests": 0}  # fmt: skip
+    assert post(engine, "/begin_weight_update", {})["success"]  # the failed send closed its own
+    assert post(engine, "/end_weight_update", {})["success"]
+    assert engine_weights(engine) == before

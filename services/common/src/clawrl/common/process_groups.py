@@ -30,6 +30,15 @@ def join_group(
     return group
 
 
+def destroy_group(group) -> None:
+    """Leave a group joined by `join_group`. Its connections close once the last reference to
+    it is dropped, which is what ends a collective the other ranks still wait in: the caller
+    must not keep one."""
+    import torch
+
+    torch.distributed.destroy_process_group(group)
+
+
 def receive_broadcast(group, dtypes: list[str], shapes: list[list[int]], device: str = "cpu"):
     """The tensors rank 0 broadcasts next, in order (torch dtype names such as "bfloat16")."""
     import torch

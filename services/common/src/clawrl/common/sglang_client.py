@@ -270,6 +270,22 @@ class SGLangClient:
             payload["weight_version"] = weight_version
         return await self._success_reply("/update_weights_from_distributed", payload)
 
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """POST /begin_weight_update: opens the session SGLang requires around
+        /update_weights_from_distributed -> `{success, message}`."""
+        return await self._success_reply("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        """POST /end_weight_update: closes the session -> `{success, message}`."""
+        return await self._success_reply("/end_weight_update", {})
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        """POST /destroy_weights_update_group: the engine leaves the group (closing its
+        connections, which also ends a broadcast waiting on it) -> `{success, message}`."""
+        return await self._success_reply(
+            "/destroy_weights_update_group", {"group_name": group_name}
+        )
+
     async def _lora_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST a LoRA call -> SGLang's `{success, error_message, loaded_adapters}`. A refusal
         (400 with `success: false`) raises EngineRequestError with the engine's message."""

@@ -117,13 +117,21 @@ class InitWeightsUpdateGroupRequest(BaseModel):
     backend: str = "nccl"
 
 
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's /destroy_weights_update_group."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightsFromDistributedRequest(BaseModel):
     """SGLang's /update_weights_from_distributed: the tensors rank 0 broadcasts next."""
 
     model_config = ConfigDict(extra="ignore")
 
     names: list[str] = Field(min_length=1)
-    dtypes: list[Literal["float32", "float16", "bfloat16"]]
+    dtypes: list[str]  # checked by the engine, which refuses with SGLang's reply shape
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None

@@ -32,6 +32,7 @@ from clawrl.engine.lora_api import build_lora_router
 from clawrl.engine.metrics import EngineMetrics
 from clawrl.engine.openai_api import build_router, error_response
 from clawrl.engine.protocol import (
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     Limits,
@@ -222,6 +223,20 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
             body.names, body.dtypes, body.shapes, body.group_name, body.weight_version
         )
         return weights_reply(result)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = parse(DestroyWeightsUpdateGroupRequest, await _body(request))
+        return weights_reply(await engine().destroy_weights_update_group(body.group_name))
+
+    # SGLang's weight-update session: /update_weights_from_distributed only inside one.
+    @app.post("/begin_weight_update")
+    async def begin_weight_update() -> JSONResponse:
+        return weights_reply(engine().begin_weight_update())
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        return weights_reply(engine().end_weight_update())
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clawrl.common.models import context_length, resolve_model_dir
-from clawrl.common.process_groups import join_group, receive_broadcast
+from clawrl.common.process_groups import destroy_group, join_group, receive_broadcast
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.cpu.adapters import PreparedAdapter, prepare_adapter
 from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, read_checkpoint
@@ -35,6 +35,7 @@ from clawrl.engine.settings import EngineSettings
 log = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "auto", "safetensors")
+BROADCAST_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class CpuEngine:
         self._token_texts: dict[int, str] = {}
         self._update_lock = asyncio.Lock()
         self._groups: dict[str, object] = {}  # weight update groups joined, by name
+        # SGLang receives a broadcast only inside /begin_weight_update../end_weight_update.
+        self._weight_session = False
         self.tokenizer = None
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
@@ -343,10 +346,22 @@ class CpuEngine:
         them in like a disk load (each bucket as it arrives, as SGLang does; `weight_version`
         is taken with the bucket that carries it)."""
         assert self.runner is not None and self.scheduler is not None
+        if not self._weight_session:
+            return self._update_failed(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
         group = self._groups.get(group_name)
         if group is None:
             return self._update_failed(
-                f"no weight update group {group_name!r}: call /init_weights_update_group first"
+                f"Failed to receive weights: Group {group_name} not in {list(self._groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+        unsupported = sorted(set(dtypes) - set(BROADCAST_DTYPES))
+        if unsupported:  # SGLang receives any torch dtype; the CPU engine serves these
+            return self._update_failed(
+                f"Failed to receive weights: dtype {unsupported[0]} is not one of "
+                f"{', '.join(BROADCAST_DTYPES)}"
             )
         async with self._update_lock:
             try:
@@ -365,6 +380,40 @@ class CpuEngine:
         return UpdateResult(
             True, f"Succeeded to update {len(names)} tensors.", num_paused_requests=num_paused
         )
+
+    def begin_weight_update(self) -> UpdateResult:
+        """Open the session a broadcast is received in (SGLang's; nothing to restore here)."""
+        if self._weight_session:
+            return self._update_failed(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        self._weight_session = True
+        return UpdateResult(True, "Success")
+
+    def end_weight_update(self) -> UpdateResult:
+        if not self._weight_session:
+            return self._update_failed(
+                "no weight-update session is open; call begin_weight_update() first"
+            )
+        self._weight_session = False
+        return UpdateResult(True, "Success")
+
+    async def destroy_weights_update_group(self, group_name: str) -> UpdateResult:
+        """Leave the group. Its sockets close once the group is freed, which ends a broadcast
+        rank 0 still runs on it (instead of it waiting out the group's timeout)."""
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            return self._update_failed("The group to be destroyed does not exist.")
+        try:
+            # Waits for a receive still running on the group (it holds the update lock).
+            async with self._update_lock:
+                await asyncio.to_thread(destroy_group, group)
+        except Exception as exc:  # a broken group: it is dropped all the same
+            return self._update_failed(f"Failed to destroy custom process group: {exc}.")
+        finally:
+            del group
+        log.info("left weight update group %s", group_name)
+        return UpdateResult(True, "Succeeded to destroy custom process group.")
 
     async def _swap_in(self, tensors: dict, weight_version: str | None) -> int:
         """Swap checked tensors in on the model thread (when no request runs, or at once when

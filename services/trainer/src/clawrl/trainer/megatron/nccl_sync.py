@@ -9,6 +9,14 @@ run at the same time. Only the last bucket carries `weight_version` and flushes 
 an engine reports the new version once it has all of it. The gateways are paused around the
 whole update (the weight-sync protocol); disk sync stays the default and the fallback.
 
+SGLang receives only inside a weight-update session (`/begin_weight_update` ..
+`/end_weight_update`, 0.5.23 and later), so `send` opens one on every engine and always closes
+it. A failed bucket leaves the group unusable: it is destroyed on every engine
+(`/destroy_weights_update_group`) and on rank 0, and `connect()` forms a new one. An engine that
+refuses a bucket without receiving it (no session, unknown group) would leave rank 0's
+broadcast waiting out the group's timeout: destroying its side of the group closes its
+connections, which ends the broadcast at once.
+
 The group is created like SGLang creates its side (`clawrl.common.process_groups`), so both
 ends meet in the same store. On CPU the same code runs with gloo, which is how it is tested
 (and how the CPU engine receives).
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clawrl.common.process_groups import join_group
+from clawrl.common.process_groups import destroy_group, join_group
 from clawrl.common.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
@@ -78,6 +86,18 @@ def rank_offsets(engine_tp: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
+def as_reply(reply: dict | BaseException) -> dict:
+    """A weight call's reply; a transport failure as a failed one."""
+    if isinstance(reply, BaseException):
+        return {"success": False, "message": f"{type(reply).__name__}: {reply}"}
+    return reply
+
+
+def failed(call: asyncio.Future) -> bool:
+    """A finished weight call that did not succeed."""
+    return call.exception() is not None or not call.result().get("success")
+
+
 @dataclass(frozen=True)
 class Engine:
     """A policy engine taking part in the broadcast: its URL and its TP size."""
@@ -110,22 +130,24 @@ class BroadcastSender:
         self.group = None
 
     async def aclose(self) -> None:
-        """Close the HTTP clients and leave the group (the engines keep theirs until the next
-        /init_weights_update_group of the same name replaces it)."""
+        """Leave the group, on the engines too, and close the HTTP clients."""
+        if self.group is not None:
+            await self._destroy_group()
         for client in self.clients:
             await client.aclose()
-        if self.group is not None:
-            group, self.group = self.group, None
-            try:
-                torch.distributed.destroy_process_group(group)
-            except Exception as exc:  # a broken group: dropping it is all that is left
-                log.warning("could not destroy the broadcast group: %s", exc)
 
     @staticmethod
     def _check(replies: list[dict], what: str) -> None:
         failed = [r.get("message", "") for r in replies if not r.get("success")]
         if failed:
             raise RuntimeError(f"{what} failed on {len(failed)} engine(s): {failed[0]}")
+
+    async def _on_every_engine(self, call: str, *args) -> list[dict]:
+        """The same weight call to every engine at once -> their replies."""
+        replies = await asyncio.gather(
+            *(getattr(client, call)(*args) for client in self.clients), return_exceptions=True
+        )
+        return [as_reply(r) for r in replies]
 
     async def connect(self) -> None:
         """Every engine joins the group while rank 0 does (the rendezvous waits for all)."""
@@ -141,33 +163,115 @@ class BroadcastSender:
             for client, offset in zip(self.clients, offsets, strict=True)
         ]
         self.group, *replies = await asyncio.gather(joined, *calls)
-        self._check(replies, "/init_weights_update_group")
+        try:
+            self._check(replies, "/init_weights_update_group")
+        except RuntimeError:
+            await self._destroy_group()  # the engines that did join leave again
+            raise
         log.info("weight broadcast group %s: %d engines, world %d", self.group_name,
                  len(self.engines), world)  # fmt: skip
 
     def _broadcast(self, bucket: Bucket) -> None:
-        for tensor in bucket.tensors:
-            torch.distributed.broadcast(
-                tensor.to(self.device).contiguous(), src=0, group=self.group
-            )
+        error = None
+        try:
+            for tensor in bucket.tensors:
+                torch.distributed.broadcast(
+                    tensor.to(self.device).contiguous(), src=0, group=self.group
+                )
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
+            # Raised afresh: torch's traceback would keep the group, and its connections to
+            # the engines still receiving, alive.
+            raise RuntimeError(f"rank 0's broadcast failed: {error}")
 
     async def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Broadcast every tensor (HF names) to every engine; -> buckets sent."""
+        """Broadcast every tensor (HF names) to every engine, inside one weight-update session;
+        -> buckets sent. On failure the group is gone: `connect()` again."""
         if self.group is None:
             raise RuntimeError("connect() first")
         buckets = make_buckets(named, self.bucket_bytes)
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            calls = [
+        await self._begin_sessions()
+        try:
+            for i, bucket in enumerate(buckets):
+                await self._send_bucket(bucket, last=i == len(buckets) - 1, version=version)
+        except BaseException:
+            if self.group is not None:
+                await self._destroy_group()
+            await self._on_every_engine("end_weight_update")  # best effort: it failed already
+            raise
+        self._check(await self._on_every_engine("end_weight_update"), "/end_weight_update")
+        return len(buckets)
+
+    async def _begin_sessions(self) -> None:
+        """/begin_weight_update on every engine. A session still open (a sender that died
+        inside one) is closed first: the weight-sync lock makes this sender the only one."""
+        replies = await self._on_every_engine("begin_weight_update")
+        for client, reply in zip(self.clients, replies, strict=True):
+            if not reply.get("success") and "already open" in reply.get("message", ""):
+                log.warning("%s had a weight-update session open: closing it", client.base_url)
+                await client.end_weight_update()
+                reply.update(await client.begin_weight_update())
+        try:
+            self._check(replies, "/begin_weight_update")
+        except RuntimeError:
+            await self._on_every_engine("end_weight_update")  # those that did open one
+            raise
+
+    async def _send_bucket(self, bucket: Bucket, *, last: bool, version: int) -> None:
+        """Announce the bucket to every engine while rank 0 broadcasts it. An engine that
+        fails before the broadcast has ended may never receive it: then the group is
+        destroyed at once, which ends the broadcast instead of it waiting out the timeout."""
+        calls = [
+            asyncio.ensure_future(
                 client.update_weights_from_distributed(
                     **bucket.announcement(),
                     group_name=self.group_name,
                     weight_version=str(version) if last else None,
                     flush_cache=last,
                 )
-                for client in self.clients
-            ]
-            # The engines block in their receive until rank 0 broadcasts: both at once.
-            *replies, _ = await asyncio.gather(*calls, asyncio.to_thread(self._broadcast, bucket))
-            self._check(replies, "/update_weights_from_distributed")
-        return len(buckets)
+            )
+            for client in self.clients
+        ]
+        broadcast = asyncio.ensure_future(asyncio.to_thread(self._broadcast, bucket))
+        try:
+            pending: set[asyncio.Future] = {*calls, broadcast}
+            while not broadcast.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(failed(call) for call in done - {broadcast}):
+                    log.warning("an engine failed during the broadcast: destroying group %s",
+                                self.group_name)  # fmt: skip
+                    await self._destroy_group(broadcast)
+            if broadcast.exception() is not None and self.group is not None:
+                await self._destroy_group()  # rank 0 failed: the engines stop waiting for it
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+        except BaseException:
+            if self.group is not None:
+                await self._destroy_group(broadcast)
+            for call in calls:
+                call.cancel()
+            raise
+        self._check([as_reply(r) for r in replies], "/update_weights_from_distributed")
+        broadcast.result()  # rank 0's own error, when every engine reported success
+
+    async def _destroy_group(self, broadcast: asyncio.Future | None = None) -> None:
+        """/destroy_weights_update_group on every engine and rank 0's side, once `broadcast`
+        (rank 0's collective on the group, if one runs) has ended: an engine still receiving
+        answers only when its receive ends, which rank 0 leaving the group brings about."""
+        name = self.group_name
+        destroyed = asyncio.ensure_future(
+            self._on_every_engine("destroy_weights_update_group", name)
+        )
+        if broadcast is not None:
+            await asyncio.wait([broadcast])
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                destroy_group(group)
+            except Exception as exc:  # a broken group: dropping it is all that is left
+                log.warning("could not destroy the broadcast group: %s", exc)
+            del group  # its connections close with the last reference
+        for client, reply in zip(self.clients, await destroyed, strict=True):
+            if not reply.get("success"):
+                log.warning("%s did not leave group %s: %s", client.base_url, name,
+                            reply.get("message"))  # fmt: skip
