@@ -20,7 +20,9 @@ $(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 RUN_REWARD_FN ?= clawrl.judge.reward_examples:stated_preference
 RUN_ARGS ?=
 
+# RUN_ARGS="--engine sglang" serves with real SGLang (set up first, as by make setup-sglang).
 run: setup  ## the whole learning loop locally on CPU, 16k context (flags: RUN_ARGS="--help")
+	$(if $(findstring sglang,$(RUN_ARGS)),bash scripts/setup-sglang.sh >/dev/null)
 	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
 
 test: setup  ## every test but the gpu ones and the real-SGLang suite (make test-sglang)

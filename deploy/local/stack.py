@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -35,10 +36,18 @@ import prometheus_local
 import redis
 import status
 
+from clawrl.engine.launcher import CPU_ARGS, sglang_venv
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # AdamW's step for LoRA on SmolLM2-135M in the preference demo (README, "The demo that trends").
 LORA_LR = 5e-4
+LORA_RANK = 16
+# SGLang's KV pool on CPU, in tokens: two requests of make run's 16k
+# context at once; ~0.75 GB in bf16 for SmolLM2-135M.
+SGLANG_KV_TOKENS = 32768
+# Written by scripts/setup-sglang.sh once the venv is complete.
+SGLANG_STAMP = ".clawrl-sglang-stamp"
 
 
 def port_open(port: int) -> bool:
@@ -75,6 +84,11 @@ class Stack:
     def start(
         self, name: str, argv: list[str], ready, timeout_s: float = 300, env: dict | None = None
     ) -> None:
+        self.launch(name, argv, env)
+        self.wait_ready(name, ready, timeout_s)
+
+    def launch(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        """Start a process without waiting for it (wait_ready does)."""
         print(f"==> starting {name}: {' '.join(argv)}", flush=True)
         environment = {
             **os.environ,
@@ -89,6 +103,9 @@ class Stack:
             argv, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.procs.append((name, proc))
+
+    def wait_ready(self, name: str, ready, timeout_s: float = 300) -> None:
+        proc = dict(self.procs)[name]
         deadline = time.monotonic() + timeout_s
         while not ready():
             if proc.poll() is not None:
@@ -152,6 +169,54 @@ def engine_argv(model: str, port: int, torch_threads: int, lora_rank: int = 0) -
         str(torch_threads),
         *(lora if lora_rank else []),
     ]
+
+
+def sglang_engine(model: str, port: int, torch_threads: int) -> tuple[list[str], dict[str, str]]:
+    """Real SGLang through the project's launcher (`clawrl-engine --backend sglang`, as the chart
+    runs it) on its generic CPU path: the command and its environment."""
+    python = sglang_venv() / "bin" / "python"
+    argv = [str(BIN / "clawrl-engine"), "--backend", "sglang", "--host", "127.0.0.1",
+            "--port", str(port), "--model", model,
+            "--max-total-tokens", str(SGLANG_KV_TOKENS)]  # fmt: skip
+    env = {
+        "CLAWRL_SGLANG__PYTHON": str(python),
+        "CLAWRL_SGLANG__DTYPE": "bfloat16",
+        "CLAWRL_SGLANG__EXTRA_ARGS": json.dumps(list(CPU_ARGS)),
+        "OMP_NUM_THREADS": str(torch_threads),
+    }
+    return argv, env
+
+
+def engine_command(
+    args: argparse.Namespace, model: str, port: int, lora_rank: int = 0
+) -> tuple[list[str], dict[str, str]]:
+    """The policy's or the judge's engine: the command and its environment."""
+    if args.engine == "sglang":
+        return sglang_engine(model, port, args.torch_threads)
+    return engine_argv(model, port, args.torch_threads, lora_rank), {}
+
+
+def resolve_lora_rank(args: argparse.Namespace) -> str | None:
+    """Settle --lora-rank for the engine; an error message when the two cannot go together."""
+    if args.engine != "sglang":
+        args.lora_rank = LORA_RANK if args.lora_rank is None else args.lora_rank
+        return None
+    if args.lora_rank:
+        return (
+            "--engine sglang trains full weights only (--lora-rank 0): SGLang 0.5.23's LoRA "
+            "serving needs a GPU (it pins host memory, which needs a CUDA driver, and fails at "
+            "start without one); use the CPU engine for LoRA"
+        )
+    if args.lora_rank is None:
+        print(
+            "==> --engine sglang: full fine-tuning (--lora-rank 0; SGLang's LoRA serving needs "
+            "a GPU): each new version is a paused full-weight sync from disk",
+            flush=True,
+        )
+    args.lora_rank = 0
+    if not (sglang_venv() / SGLANG_STAMP).is_file():
+        return f"no SGLang venv at {sglang_venv()}: run `make setup-sglang` first (~7 GB)"
+    return None
 
 
 def training_env(args: argparse.Namespace) -> dict[str, str]:
@@ -238,11 +303,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch-size", type=int, default=8, help="trainable samples per trainer step"
     )
     parser.add_argument(
+        "--engine",
+        choices=("cpu", "sglang"),
+        default="cpu",
+        help="policy and judge engines: cpu = clawrl's CPU engine (SGLang's API; LoRA); sglang "
+        "= real SGLang on its CPU path through clawrl-engine --backend sglang (`make "
+        "setup-sglang` first; full fine-tuning only)",
+    )
+    parser.add_argument(
         "--lora-rank",
         type=int,
-        default=16,
-        help="train and serve a LoRA adapter of this rank on all seven projections (each new "
-        "version loaded by the engines with no pause); 0: full fine-tuning (a paused sync)",
+        help=f"train and serve a LoRA adapter of this rank on all seven projections (each new "
+        f"version loaded by the engines with no pause); 0: full fine-tuning (a paused sync); "
+        f"default {LORA_RANK} on the CPU engine, 0 on SGLang",
     )
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha")
     parser.add_argument(
@@ -282,6 +355,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = resolve_lora_rank(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     ports = (
         args.redis_port,
         args.policy_port,
@@ -331,16 +408,20 @@ def main(argv: list[str] | None = None) -> int:
             ],
             lambda: port_open(args.redis_port),
         )
-        stack.start(
-            "policy engine",
-            engine_argv(args.policy_model, args.policy_port, args.torch_threads, args.lora_rank),
-            lambda: http_ok(f"http://127.0.0.1:{args.policy_port}/health"),
-        )
-        stack.start(
-            "judge engine",
-            engine_argv(args.judge_model, args.judge_port, args.torch_threads),
-            lambda: http_ok(f"http://127.0.0.1:{args.judge_port}/health"),
-        )
+        # Both engines load at once: most of a start is single-threaded Python imports.
+        engines = {
+            "policy engine": (args.policy_model, args.policy_port, args.lora_rank),
+            "judge engine": (args.judge_model, args.judge_port, 0),
+        }
+        for name, (model, port, lora_rank) in engines.items():
+            argv, env = engine_command(args, model, port, lora_rank)
+            stack.launch(name, argv, env)
+        for name, (_, port, _) in engines.items():
+            # SGLang answers /health before its scheduler can generate; /health_generate
+            # waits for a token (the CPU engine answers both).
+            stack.wait_ready(
+                name, lambda port=port: http_ok(f"http://127.0.0.1:{port}/health_generate"), 600
+            )
         stack.start(
             "gateway",
             [

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import REPO, wait_until
 
 sys.path.insert(0, str(REPO / "deploy/local"))
+import stack
 from stack import Stack
 
 
@@ -44,3 +45,25 @@ def test_stop_takes_the_processes_a_service_started_with_it(tmp_path, behaviour)
     stack.stop()
     assert stack.procs[0][1].returncode is not None
     wait_until(lambda: not alive(helper), 5, "the helper's end (a SIGKILL takes a moment)")
+
+
+def test_the_sglang_engine_trains_full_weights_and_refuses_lora(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CLAWRL_SGLANG_VENV", str(tmp_path / "venv"))
+    assert stack.parse_args([]).lora_rank is None
+    cpu = stack.parse_args([])
+    assert stack.resolve_lora_rank(cpu) is None and cpu.lora_rank == stack.LORA_RANK
+
+    refused = stack.resolve_lora_rank(stack.parse_args(["--engine", "sglang", "--lora-rank", "8"]))
+    assert refused is not None and "full weights only" in refused and "needs a GPU" in refused
+    missing = stack.resolve_lora_rank(stack.parse_args(["--engine", "sglang"]))
+    assert missing is not None and "make setup-sglang" in missing
+
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / stack.SGLANG_STAMP).write_text("pins")
+    args = stack.parse_args(["--engine", "sglang", "--torch-threads", "1"])
+    assert stack.resolve_lora_rank(args) is None and args.lora_rank == 0
+    assert "--engine sglang: full fine-tuning" in capsys.readouterr().out
+    argv, env = stack.engine_command(args, "smollm2-tiny", 30010)
+    assert argv[1:3] == ["--backend", "sglang"] and "--enable-lora" not in argv
+    assert env["CLAWRL_SGLANG__PYTHON"] == str(tmp_path / "venv" / "bin" / "python")
+    assert "--device" in env["CLAWRL_SGLANG__EXTRA_ARGS"] and env["OMP_NUM_THREADS"] == "1"

@@ -30,6 +30,27 @@ SCHEDULER_FLAGS = (
 )
 
 
+# SGLang's generic PyTorch path on a machine without GPUs (`make run --engine sglang`,
+# bench_engines): SGLang's own CPU engine needs a CPU build of sgl-kernel, which PyPI lacks.
+# --sleep-on-idle: an idle scheduler otherwise polls for work and keeps part of a core busy.
+CPU_ARGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--grammar-backend", "none",
+    "--skip-server-warmup",
+    "--sleep-on-idle",
+)  # fmt: skip
+
+
+def sglang_venv(env: Mapping[str, str] = os.environ) -> Path:
+    """Where `make setup-sglang` (scripts/setup-sglang.sh) puts SGLang's venv."""
+    if env.get("CLAWRL_SGLANG_VENV"):
+        return Path(env["CLAWRL_SGLANG_VENV"])
+    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "clawrl" / "sglang-venv"
+
+
 def model_path(settings: EngineSettings) -> str:
     """A prepared/local model directory when there is one, else the name as given (SGLang
     resolves Hugging Face ids and mounted paths itself)."""
