@@ -37,6 +37,7 @@ from clawrl.gateway.errors import (
     Unauthorized,
     to_http,
 )
+from clawrl.gateway.feedback import FeedbackService
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import parse_chat_request
 from clawrl.gateway.recording import Recorder
@@ -48,7 +49,8 @@ from clawrl.gateway.spool import RecordingSpool
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
-ROUTES = (CHAT_ROUTE, "/v1/models", "/healthz", "/readyz", "/metrics")
+FEEDBACK_ROUTE = "/v1/feedback"
+ROUTES = (CHAT_ROUTE, "/v1/models", "/healthz", "/readyz", "/metrics", FEEDBACK_ROUTE)
 JSON = "application/json"
 
 
@@ -67,6 +69,7 @@ class Gateway:
     context_length: int
     started: int
     control_port: int = 0
+    feedback: FeedbackService | None = None  # None: feedback.enabled is false
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -272,6 +275,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             maxlen=settings.redis.stream_maxlen,
             ttl_s=settings.sessions.ttl_s,
             dedupe_ttl_s=settings.sessions.dedupe_ttl_s,
+            feedback_ttl_s=settings.feedback.ttl_s if settings.feedback.enabled else 0,
         )
         recorder = Recorder(
             store,
@@ -326,6 +330,9 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             context_length=window,
             started=int(time.time()),
             control_port=control_port,
+            feedback=FeedbackService(redis, store, settings.feedback, metrics)
+            if settings.feedback.enabled
+            else None,
         )
         log.info(
             "gateway %s serving %s (context %d, policy v%d%s) from %s; control gRPC on port %d; "
@@ -380,6 +387,18 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
         except GatewayError as exc:
             return error_response(exc)
         return json_response(model_card(gateway))
+
+    @app.post(FEEDBACK_ROUTE)
+    async def feedback(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        try:
+            authorize(gateway, request.headers)
+            if gateway.feedback is None:
+                raise NotFound("feedback is off on this gateway (feedback.enabled = false)")
+            body = await gateway.feedback.handle(await request.body(), request.headers)
+        except Exception as exc:
+            return error_response(exc, gateway.settings.serving.retry_after_s)
+        return json_response(body)
 
     @app.get("/healthz")
     async def healthz() -> Response:

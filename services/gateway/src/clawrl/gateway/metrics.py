@@ -172,3 +172,12 @@ class GatewayMetrics:
             "SwitchAdapter calls: LoRA versions put into service with no pause.",
             registry=r,
         )
+        self.feedback = Counter(
+            "clawrl_gateway_feedback_total",
+            "POST /v1/feedback by outcome: accepted (the judge will merge it), late (the "
+            "sample was already published: audited, not merged), duplicate (a retry), "
+            "not_found (no such turn of the caller's), invalid, conflict (a feedback id reused "
+            "for other content), unavailable (Redis failed).",
+            ["outcome"],
+            registry=r,
+        )

@@ -16,6 +16,10 @@ Keys (prefix `clawrl:gw` by default):
   the same history (identical openings under greedy decoding): then nobody is guessed.
 - `{p}:r:{request_id}:{step}` -> a script's result, kept a few minutes: a retried script is a
   no-op that returns it.
+- `{p}:fb:{request_id}` -> `{turn_id}\n{scope}` of a recorded main turn, kept the feedback TTL:
+  POST /v1/feedback finds a turn by the response id its client got back, and only that caller
+  may rate it (the session hash's `owner` field is the scope that made the state, for feedback
+  by session id).
 
 Exactly once: a pending turn only leaves Redis inside a Lua script that reads it, deletes it and
 XADDs the finished record in one atomic step (Redis runs one script at a time), so of two
@@ -154,6 +158,7 @@ class SessionStore:
         maxlen: int,
         ttl_s: int,
         dedupe_ttl_s: int = 120,
+        feedback_ttl_s: int = 0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -161,6 +166,7 @@ class SessionStore:
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.dedupe_ttl_s = dedupe_ttl_s
+        self.feedback_ttl_s = feedback_ttl_s  # 0: no feedback index
         self.active_key = f"{prefix}:active"
         self._scripts = {name: redis.register_script(load_script(name)) for name in SCRIPTS}
 
@@ -169,6 +175,9 @@ class SessionStore:
 
     def conversation_key(self, scope: str, history_hash: str) -> str:
         return f"{self.prefix}:c:{scope}:{history_hash}"
+
+    def feedback_index_key(self, request_id: str) -> str:
+        return f"{self.prefix}:fb:{request_id}"
 
     def _keys(self, request_id: str, step: str) -> list[str]:
         return [self.active_key, self.stream, f"{self.prefix}:r:{request_id}:{step}"]
@@ -198,7 +207,7 @@ class SessionStore:
         was made (a call replayed from the spool keeps its time, so the pending turn it stores
         still precedes the next request's `arrived`)."""
         sid, tid, mismatched, ambiguous, turn_id, old, claim = await self._scripts["record"](
-            keys=self._keys(request_id, "record"),
+            keys=[*self._keys(request_id, "record"), self.feedback_index_key(request_id)],
             args=[
                 self.prefix,
                 session_id or "",
@@ -217,6 +226,7 @@ class SessionStore:
                 history_hash,
                 done,
                 session_epoch(request_id),
+                self.feedback_ttl_s,
             ],
         )
         return Recorded(

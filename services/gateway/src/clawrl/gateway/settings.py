@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 
 TurnType = Literal["main", "side"]
@@ -181,6 +182,9 @@ class GatewaySettings(ClawrlSettings):
     serving: ServingSettings = Field(default_factory=ServingSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     control: ControlSettings = Field(default_factory=ControlSettings)
+    feedback: FeedbackSettings = Field(
+        default_factory=FeedbackSettings, description="POST /v1/feedback (shared with the judge)."
+    )
     gateway_id: str = Field(
         default_factory=socket.gethostname,
         description="This replica's name in logs, GetStatus and finalised turns (pod name).",

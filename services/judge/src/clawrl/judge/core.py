@@ -14,10 +14,12 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.proto.records_pb2 import FinalizeReason, MaskReason, SampleMode
 from clawrl.common.records import Sample, Turn
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
 from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
+from clawrl.judge.feedback import TurnFeedback, merged_reward
 from clawrl.judge.hints import HintVote, parse_hint_vote, select_hint
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.prompts import Budget, JudgeInput, hint_messages, judge_input, prm_messages
@@ -65,6 +67,8 @@ class Judgement:
     audit: dict[str, Any]
     promotable: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # The turn's explicit feedback as read before judging; None: feedback is not read.
+    feedback: TurnFeedback | None = None
 
     @property
     def effective(self) -> bool:
@@ -157,6 +161,7 @@ class Judge:
         min_hint_chars: int = 10,
         keep_vote_text: bool = True,
         promote_first_in_session: bool = True,
+        feedback: FeedbackSettings | None = None,
     ) -> None:
         if mode != "rl" and teacher is None:
             raise ValueError(f"mode {mode} needs a teacher (an SGLang-API judge engine)")
@@ -172,8 +177,10 @@ class Judge:
         self.min_hint_chars = min_hint_chars
         self.keep_vote_text = keep_vote_text
         self.promote_first_in_session = promote_first_in_session
+        self.feedback = feedback or FeedbackSettings(enabled=False)
 
-    async def judge(self, view: TurnView) -> Judgement:
+    async def judge(self, view: TurnView, feedback: TurnFeedback | None = None) -> Judgement:
+        """`feedback`: the turn's explicit feedback (worker), None when it is not read."""
         turn = view.turn
         sample = base_sample(view, self.mode)
         audit: dict[str, Any] = {
@@ -187,7 +194,9 @@ class Judge:
             "response": turn.response_text[:AUDIT_TEXT_CHARS],
             "next_state": [m for m in view.next_state],
         }
-        judgement = Judgement(sample=sample, audit=audit)
+        judgement = Judgement(sample=sample, audit=audit, feedback=feedback)
+        if feedback is not None and feedback.entries:
+            audit["feedback"] = feedback.audit()
         if not turn.response_ids:
             set_mask(sample, MaskReason.MASK_REASON_EMPTY_RESPONSE)
         elif turn.unknown_weights:
@@ -233,10 +242,13 @@ class Judge:
 
     async def _opd(self, view: TurnView, j: Judgement) -> None:
         sample = j.sample
-        if not view.has_next_state:
+        if self._explicit(j) is not None:
+            self._feedback_used(j, "reward_unused")  # opd trains on the teacher only
+        hint = self._comment_hint(j)
+        if not hint and not view.has_next_state:
             set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
             return
-        hint = await self._hint(view, j)
+        hint = hint or await self._hint(view, j)
         if not hint:
             set_mask(sample, MaskReason.MASK_REASON_NO_HINT)
             return
@@ -247,10 +259,15 @@ class Judge:
         """hint & ±1: teacher + reward; hint & 0: teacher, reward 0; no hint & ±1: reward
         only (has_teacher false: an exact zero distillation term); neither: masked."""
         sample = j.sample
-        if not view.has_next_state and self.reward_fn is None:
+        comment = self._comment_hint(j)
+        explicit = self._explicit(j)
+        if not view.has_next_state and self.reward_fn is None and not comment and explicit is None:
             set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
             return
-        hint_task = self._hint(view, j) if view.has_next_state else _nothing()
+        if comment:
+            hint_task = _value(comment)
+        else:
+            hint_task = self._hint(view, j) if view.has_next_state else _nothing()
         score, hint = await _gather(self._score(view, j), hint_task)
         if hint:
             await self._teach(view, hint, j)
@@ -265,7 +282,40 @@ class Judge:
 
     # ----- signals -------------------------------------------------------------------------
 
+    def _explicit(self, j: Judgement) -> float | None:
+        return j.feedback.reward if j.feedback is not None else None
+
+    def _comment_hint(self, j: Judgement) -> str:
+        """The feedback's comment when it serves as the hint (opd, combine), else ""."""
+        if j.feedback is None or not self.feedback.comment_as_hint or not j.feedback.comment:
+            return ""
+        self._feedback_used(j, "hint")
+        j.sample.hint = j.feedback.comment
+        return j.feedback.comment
+
+    def _feedback_used(self, j: Judgement, use: str) -> None:
+        self.metrics.feedback.labels(use).inc()
+        j.audit.setdefault("feedback", {}).setdefault("used", []).append(use)
+
     async def _score(self, view: TurnView, j: Judgement) -> float | None:
+        """The judge's score (`_judged_score`) met with the turn's explicit reward, if any."""
+        explicit = self._explicit(j)
+        if explicit is not None and self.feedback.combine == "override":
+            self._feedback_used(j, "reward_override")
+            j.sample.reward_source = "feedback"
+            j.audit["score"] = explicit
+            return explicit
+        judged = await self._judged_score(view, j)
+        if explicit is None:
+            return judged
+        self._feedback_used(j, "reward_weighted")
+        source = j.sample.reward_source
+        j.sample.reward_source = f"{source}+feedback" if judged is not None else "feedback"
+        j.audit["judge_score"] = judged
+        j.audit["score"] = merged_reward(explicit, judged, "weighted", self.feedback.weight)
+        return j.audit["score"]
+
+    async def _judged_score(self, view: TurnView, j: Judgement) -> float | None:
         """The reward_fn's reward, else the PRM majority (None: no next state to judge)."""
         if self.reward_fn is not None:
             score = await self.reward_fn(view)
@@ -377,6 +427,10 @@ class Judge:
 
 async def _nothing() -> str:
     return ""
+
+
+async def _value(text: str) -> str:
+    return text
 
 
 async def _gather(score_coro, hint_coro) -> tuple[float | None, str]:

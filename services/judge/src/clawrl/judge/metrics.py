@@ -90,6 +90,14 @@ class JudgeMetrics:
             ["stage"],
             registry=r,
         )
+        self.feedback = Counter(
+            "clawrl_judge_feedback_total",
+            "Explicit feedback (POST /v1/feedback) by use: reward_override, reward_weighted, "
+            "hint (a comment as the hindsight hint), reward_unused (opd trains on the teacher "
+            "only), late (arrived while its turn was judged: audited, not merged).",
+            ["use"],
+            registry=r,
+        )
         self.shortened = Counter(
             "clawrl_judge_prompts_shortened_total",
             "Judge prompts with a part shortened in the middle to fit, by kind (prm, hint).",

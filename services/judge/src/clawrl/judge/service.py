@@ -122,10 +122,13 @@ def build_judge(
         min_hint_chars=j.min_hint_chars,
         keep_vote_text=settings.audit.keep_vote_text,
         promote_first_in_session=j.promote_first_in_session,
+        feedback=settings.feedback,
     )
 
 
-def build_store(settings: JudgeSettings, redis: Redis) -> JudgeStore:
+def build_store(
+    settings: JudgeSettings, redis: Redis, metrics: JudgeMetrics | None = None
+) -> JudgeStore:
     w, r = settings.workers, settings.redis
     return JudgeStore(
         redis,
@@ -139,7 +142,9 @@ def build_store(settings: JudgeSettings, redis: Redis) -> JudgeStore:
             audit_maxlen=settings.retention.audit_maxlen,
             done_ttl_s=w.done_ttl_s,
             session_ttl_s=w.session_ttl_s,
+            feedback_prefix=settings.feedback.key_prefix if settings.feedback.enabled else None,
         ),
+        metrics,
     )
 
 
@@ -184,6 +189,23 @@ async def refuse_another_tokenizer(
         raise
 
 
+def warn_feedback_mismatch(settings: JudgeSettings) -> None:
+    """The gateway finds the judge's done markers and audit stream through [feedback]: when
+    they differ from this judge's, late feedback is neither recognised nor audited there."""
+    f = settings.feedback
+    if not f.enabled:
+        return
+    if f.judge_key_prefix != settings.workers.key_prefix:
+        log.warning("feedback.judge_key_prefix (%s) is not workers.key_prefix (%s): gateways "
+                    "with these settings do not see this judge's done markers, so feedback "
+                    "arriving after a turn's sample was published is not recognised as late",
+                    f.judge_key_prefix, settings.workers.key_prefix)  # fmt: skip
+    if f.audit_stream != settings.audit.stream:
+        log.warning("feedback.audit_stream (%s) is not audit.stream (%s): gateways with these "
+                    "settings write late feedback to another stream than this judge's audit "
+                    "trail", f.audit_stream, settings.audit.stream)  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterator[JudgeService]:
     """Build everything, start the workers (and the servers when `serve`), yield the service;
@@ -202,7 +224,8 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
     if judge.teacher is not None:
         await refuse_another_tokenizer(settings, judge, engine)
     redis = create_redis(settings)
-    store = build_store(settings, redis)
+    store = build_store(settings, redis, metrics)
+    warn_feedback_mismatch(settings)
     workers = build_workers(settings, redis, store, judge, metrics)
     service = JudgeService(settings, judge, metrics, redis, store, engine, workers)
     tasks = [asyncio.create_task(w.run(service.stop), name=f"judge-worker-{i}")

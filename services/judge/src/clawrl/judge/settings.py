@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 
 Mode = Literal["rl", "opd", "combine"]
@@ -198,6 +199,10 @@ class JudgeSettings(ClawrlSettings):
     workers: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
+    feedback: FeedbackSettings = Field(
+        default_factory=FeedbackSettings,
+        description="Explicit feedback (POST /v1/feedback on the gateway): how it is merged.",
+    )
     judge_server: ServerSettings = Field(
         default_factory=ServerSettings,
         description="[judge_server]: its own section, since the trainer has a [server] too.",

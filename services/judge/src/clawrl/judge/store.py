@@ -1,6 +1,9 @@
 """The judge's Redis state, written atomically per turn by one Lua script: the sample on the
 samples stream, the audit record, the "judged" marker that deduplicates redeliveries, the
-session's promotion state, and the XACK of the turn.
+session's promotion state, and the XACK of the turn. The same step freezes the turn's explicit
+feedback (clawrl.common.feedback): any the judge did not read, having arrived while the turn was
+judged, becomes late and is written to the audit trail, and the done marker makes the gateway
+file every later one as late.
 
 Why one script: at-least-once delivery means a turn can be judged twice (a worker died after
 judging, another took the entry over). The marker `{prefix}:done:{turn_id}` is set in the same
@@ -11,19 +14,27 @@ any number of workers and replicas."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import orjson
 from redis.asyncio import Redis
 
+from clawrl.common.feedback import feedback_key, judged_marker
 from clawrl.common.records import encode_entry
 from clawrl.common.redis_text import text
 from clawrl.judge.core import Judgement, promote
+from clawrl.judge.feedback import TurnFeedback, read_feedback
+from clawrl.judge.metrics import JudgeMetrics
 
-# KEYS: done marker, session state, samples stream, audit stream, turns stream
+log = logging.getLogger(__name__)
+
+# KEYS: done marker, session state, samples stream, audit stream, turns stream, feedback hash
 # ARGV: group, entry id, sample id, sample type, sample data, promoted sample data,
 #       effective (0/1), promotable (0/1), audit json, samples maxlen, audit maxlen,
-#       done ttl, session ttl
+#       done ttl, session ttl, feedback read (0/1), ids of the feedback merged (space-separated),
+#       late-feedback audit head (JSON without its closing brace)
+# Returns 'duplicate', or {outcome, feedback made late}.
 COMMIT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('XACK', KEYS[5], ARGV[1], ARGV[2])
@@ -49,7 +60,26 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[11], '*',
   'id', ARGV[3], 'outcome', outcome, 'sample_entry', sample_entry, 'data', ARGV[9])
 redis.call('SET', KEYS[1], sample_entry, 'EX', ARGV[12])
 redis.call('XACK', KEYS[5], ARGV[1], ARGV[2])
-return outcome
+local late = {}
+if ARGV[14] == '1' then
+  local merged = {}
+  for id in string.gmatch(ARGV[15], '%S+') do merged[id] = true end
+  local fields = redis.call('HGETALL', KEYS[6])
+  for i = 1, #fields, 2 do
+    local id = string.sub(fields[i], 3)
+    if string.sub(fields[i], 1, 2) == 'f:' and not merged[id] then
+      table.insert(late, fields[i + 1])
+      redis.call('HDEL', KEYS[6], fields[i])
+      redis.call('HSET', KEYS[6], 'l:' .. id, fields[i + 1])
+    end
+  end
+  if #late > 0 then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[11], '*', 'id', ARGV[3],
+      'outcome', 'late_feedback', 'data', ARGV[16] .. ',"sample_entry":"' .. sample_entry
+      .. '","late_feedback":[' .. table.concat(late, ',') .. ']}')
+  end
+end
+return {outcome, #late}
 """
 
 
@@ -64,18 +94,28 @@ class StoreConfig:
     audit_maxlen: int
     done_ttl_s: int
     session_ttl_s: int
+    feedback_prefix: str | None = None  # None: explicit feedback is not read
 
 
 class JudgeStore:
     """Commits judgements and answers "was this turn judged already?"."""
 
-    def __init__(self, redis: Redis, config: StoreConfig) -> None:
+    def __init__(
+        self, redis: Redis, config: StoreConfig, metrics: JudgeMetrics | None = None
+    ) -> None:
         self.redis = redis
         self.config = config
+        self.metrics = metrics
         self._commit = redis.register_script(COMMIT)
 
     def done_key(self, turn_id: str) -> str:
-        return f"{self.config.prefix}:done:{turn_id}"
+        return judged_marker(self.config.prefix, turn_id)
+
+    async def feedback(self, turn_id: str) -> TurnFeedback | None:
+        """The turn's explicit feedback to merge; None when feedback is off."""
+        if self.config.feedback_prefix is None:
+            return None
+        return await read_feedback(self.redis, self.config.feedback_prefix, turn_id)
 
     def session_key(self, session_id: str) -> str:
         return f"{self.config.prefix}:session:{session_id}"
@@ -98,7 +138,9 @@ class JudgeStore:
             c.samples_stream,
             c.audit_stream,
             c.turns_stream,
+            feedback_key(c.feedback_prefix or "", sample.sample_id),
         ]
+        feedback = judgement.feedback
         args = [
             c.group,
             entry_id,
@@ -113,6 +155,9 @@ class JudgeStore:
             c.audit_maxlen,
             c.done_ttl_s,
             c.session_ttl_s,
+            int(c.feedback_prefix is not None),
+            " ".join(feedback.ids) if feedback is not None else "",
+            b'{"turn_id":' + orjson.dumps(sample.sample_id),
         ]
         return keys, args
 
@@ -126,7 +171,22 @@ class JudgeStore:
                 keys, args = self._args(entry_id, judgement)
                 await self._commit(keys=keys, args=args, client=pipe)
             results = await pipe.execute()
-        return [text(r) for r in results]
+        outcomes = []
+        for (_, judgement), result in zip(items, results, strict=True):
+            if isinstance(result, list):
+                outcome, late = text(result[0]), int(result[1])
+            else:
+                outcome, late = text(result), 0
+            if late:
+                self._late_feedback(judgement.sample.sample_id, late)
+            outcomes.append(outcome)
+        return outcomes
+
+    def _late_feedback(self, turn_id: str, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.feedback.labels("late").inc(count)
+        log.info("%d feedback(s) on turn %s arrived while it was judged: audited as late, not "
+                 "merged", count, turn_id)  # fmt: skip
 
     async def record_rejection(self, turn_id: str, reason: str, entry_id: str) -> None:
         """An audit record for a dead-lettered turn (the dead-letter entry is already written)."""

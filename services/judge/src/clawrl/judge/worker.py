@@ -28,6 +28,7 @@ from clawrl.common.records import RecordError, Turn, decode_entry
 from clawrl.common.sglang_client import EngineUnavailable
 from clawrl.common.streams import Entry, GroupConsumer, trim_acknowledged
 from clawrl.judge.core import Judge, Judgement
+from clawrl.judge.feedback import TurnFeedback
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.settings import RetentionSettings, WorkerSettings
 from clawrl.judge.store import JudgeStore
@@ -148,7 +149,8 @@ class Worker:
         turn = view.turn
         with log_context(session_id=turn.session_id, policy_version=turn.policy_version):
             try:
-                judgement = await self._judge_with_retry(view)
+                feedback = await self._feedback(turn.turn_id)
+                judgement = await self._judge_with_retry(view, feedback)
             except MalformedTurn as exc:
                 self._forget(item)
                 await self._reject(item.entry, str(exc), _category(exc))
@@ -172,11 +174,24 @@ class Worker:
                 return
             await self._commits.put((item, judgement))
 
-    async def _judge_with_retry(self, view: TurnView) -> Judgement:
+    async def _feedback(self, turn_id: str) -> TurnFeedback | None:
+        """The turn's explicit feedback. Unreadable (Redis trouble): judged without it; the
+        commit then audits what was stored as late, so none is lost."""
+        try:
+            return await self.store.feedback(turn_id)
+        except REDIS_ERRORS as exc:
+            self.metrics.errors.labels("feedback").inc()
+            log.warning("cannot read the feedback of turn %s, judged without it: %s",
+                        turn_id, exc)  # fmt: skip
+            return TurnFeedback()
+
+    async def _judge_with_retry(
+        self, view: TurnView, feedback: TurnFeedback | None = None
+    ) -> Judgement:
         delay = self.settings.retry_initial_s
         while True:
             try:
-                return await self.judge.judge(view)
+                return await self.judge.judge(view, feedback)
             except EngineUnavailable as exc:
                 if self._stopping:
                     raise

@@ -11,7 +11,8 @@
 --       nobody claims), 11 dedupe ttl, 12 arrival time of the request, 13 superseded extra,
 --       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
 --       reply), 16 done extra ('' = keep the turn pending), 17 epoch for a session state this
---       request creates.
+--       request creates, 18 feedback index TTL (0 = feedback off).
+-- KEYS[4]: the feedback index of this request's response id (POST /v1/feedback).
 -- Returns {session id, finalised turn id or '', history mismatch 0/1, ambiguous history 0/1,
 --          turn id or '', superseded turn id or '', ambiguous claim 0/1}.
 local earlier = replayed()
@@ -62,6 +63,13 @@ local index = redis.call('HINCRBY', skey, 'next', 1) - 1
 -- state expired (TTL) starts again at index 0 under a new epoch, never under an old turn's id.
 redis.call('HSETNX', skey, 'epoch', ARGV[17])
 local tid = sid .. ':' .. redis.call('HGET', skey, 'epoch') .. ':' .. index
+-- Who may rate this turn (POST /v1/feedback): the response id names the turn and its caller
+-- (scope) for longer than the session lives; the session's first caller owns it for feedback
+-- by session id.
+if ARGV[18] ~= '0' then
+  redis.call('SET', KEYS[4], tid .. '\n' .. ARGV[3], 'EX', ARGV[18])
+  redis.call('HSETNX', skey, 'owner', ARGV[3])
+end
 -- turn_id (field 1, string), session_id (field 2, string) and turn_index (field 3, varint)
 -- merge into the stored bytes.
 local turn = '\10' .. varint(#tid) .. tid .. '\18' .. varint(#sid) .. sid .. '\24' .. varint(index)
