@@ -38,6 +38,15 @@ def test_the_judge_reads_its_sections() -> None:
     assert settings.workers.max_deliveries == 5 and settings.judge_server.metrics_port == 30021
 
 
+def test_the_gateway_and_the_judge_read_one_feedback_section() -> None:
+    for settings in (GatewaySettings(), JudgeSettings()):
+        assert settings.feedback.enabled and settings.feedback.combine == "override"
+        assert settings.feedback.weight == 0.5 and settings.feedback.ttl_s == 604800
+    judge = JudgeSettings()
+    assert judge.feedback.judge_key_prefix == judge.workers.key_prefix
+    assert judge.feedback.audit_stream == judge.audit.stream
+
+
 def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWRL_CONTROL__HOLD_TIMEOUT_S", "7.5")
     assert GatewaySettings().control.hold_timeout_s == 7.5
