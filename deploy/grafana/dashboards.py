@@ -673,13 +673,15 @@ DASHBOARDS = {
     "cluster": ("clawrl / cluster (pods, GPUs, Redis, Ray)", CLUSTER),
 }
 PROMETHEUS = {"type": "prometheus", "uid": "${datasource}"}
+SYNCS = sel("clawrl_weight_sync_syncs_total")
 # Grafana annotations on every dashboard: each weight sync (by outcome) and each change of the
-# policy version the gateways serve.
+# policy version the gateways serve. A sync counter's outcome appears at its first sync, which
+# increase() cannot see (no sample before it): a series new within the minute counts too.
 ANNOTATIONS = (
     (
         "Weight syncs",
         "blue",
-        f"sum by (outcome) (increase({sel('clawrl_weight_sync_syncs_total')}[1m])) > 0",
+        f"sum by (outcome) ((increase({SYNCS}[1m]) > 0) or ({SYNCS} unless {SYNCS} offset 1m))",
         "weight sync: {{outcome}}",
     ),
     (

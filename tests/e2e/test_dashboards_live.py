@@ -177,7 +177,8 @@ def test_every_panel_query_evaluates_and_busy_panels_have_data(stack: dict[str, 
                      if not ok]  # fmt: skip
         # The sync above is marked on every dashboard.
         for title, expr in annotation_queries(board):
-            answer = instant(prom, scoped(expr, window).replace("[1m]", f"[{window}]"))
+            widened = scoped(expr, window).replace("1m", window)  # [1m], offset 1m
+            answer = instant(prom, widened)
             if answer["status"] != "success":
                 failures.append(f"{name}/annotation {title}: {answer.get('error')}: {expr}")
             elif title == "Weight syncs" and not answer["data"]["result"]:
