@@ -29,17 +29,29 @@ from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
 from clawrl.common.served import read_served
 from clawrl.common.sglang_client import EngineError, SGLangClient
+from clawrl.gateway.anthropic_messages import MessageEvents, message_object, parse_messages_request
 from clawrl.gateway.control import Admission, PauseGate, start_control_server
+from clawrl.gateway.conversations import ConversationStore, StoredConversation
 from clawrl.gateway.errors import (
     GatewayError,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     Unauthorized,
+    to_anthropic,
     to_http,
 )
 from clawrl.gateway.feedback import FeedbackService
 from clawrl.gateway.metrics import GatewayMetrics
-from clawrl.gateway.protocol import parse_chat_request
+from clawrl.gateway.openai_responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    continued,
+    parse_responses_request,
+    response_body,
+    stored_messages,
+)
+from clawrl.gateway.protocol import api_credential, parse_chat_request
 from clawrl.gateway.recording import Recorder
 from clawrl.gateway.serving import ChatService, OpenStream
 from clawrl.gateway.sessions import SessionStore
@@ -49,8 +61,11 @@ from clawrl.gateway.spool import RecordingSpool
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
+RESPONSES_ROUTE = "/v1/responses"
+MESSAGES_ROUTE = "/v1/messages"
+SERVED = (CHAT_ROUTE, RESPONSES_ROUTE, MESSAGES_ROUTE)  # answered ahead of FastAPI
 FEEDBACK_ROUTE = "/v1/feedback"
-ROUTES = (CHAT_ROUTE, "/v1/models", "/healthz", "/readyz", "/metrics", FEEDBACK_ROUTE)
+ROUTES = (*SERVED, "/v1/models", "/healthz", "/readyz", "/metrics", FEEDBACK_ROUTE)
 JSON = "application/json"
 
 
@@ -69,6 +84,7 @@ class Gateway:
     context_length: int
     started: int
     control_port: int = 0
+    conversations: ConversationStore | None = None  # what previous_response_id continues
     feedback: FeedbackService | None = None  # None: feedback.enabled is false
 
 
@@ -76,11 +92,12 @@ def json_response(body: object, status: int = 200, headers: dict | None = None) 
     return Response(orjson.dumps(body), status_code=status, media_type=JSON, headers=headers)
 
 
-def error_response(exc: BaseException, retry_after_s: int = 5) -> Response:
-    """The one way a failure becomes an HTTP response."""
+def error_response(exc: BaseException, retry_after_s: int = 5, shape=to_http) -> Response:
+    """The one way a failure becomes an HTTP response; `shape`: the API's error body
+    (OpenAI's, or to_anthropic on the Anthropic route)."""
     if not isinstance(exc, GatewayError | EngineError):
         log.error("unexpected error: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    error = to_http(exc, retry_after_s)
+    error = shape(exc, retry_after_s)
     return json_response(error.body, error.status, error.headers)
 
 
@@ -114,12 +131,13 @@ async def read_body(receive: Receive) -> bytes:
 
 
 class GatewayApp:
-    """The ASGI app uvicorn serves. /v1/chat/completions is answered here, ahead of FastAPI:
-    the hot path skips the framework's routing, request objects and middleware stack, none of
-    which it uses (measured at one client: a side turn 0.4-0.7 ms quicker than behind the
-    middleware). Every other route, and the lifespan that builds the clients, is FastAPI's.
-    Requests of every route are counted by route and status, with their latency up to the end
-    of the body (streams included)."""
+    """The ASGI app uvicorn serves. The generation routes (/v1/chat/completions,
+    /v1/responses, /v1/messages) are answered here, ahead of FastAPI: the hot path skips the
+    framework's routing, request objects and middleware stack, none of which it uses
+    (measured at one client: a side turn 0.4-0.7 ms quicker than behind the middleware).
+    Every other route, and the lifespan that builds the clients, is FastAPI's. Requests of
+    every route are counted by route and status, with their latency up to the end of the body
+    (streams included)."""
 
     def __init__(self, api: FastAPI, metrics: GatewayMetrics):
         self.api = api
@@ -137,7 +155,7 @@ class GatewayApp:
         started = time.perf_counter()
         status = 500
         try:
-            if path == CHAT_ROUTE:
+            if path in SERVED:
                 response = await self.respond(self.api.state.gateway, scope, receive, started)
                 status = response.status_code
                 await response(scope, receive, send)
@@ -157,32 +175,93 @@ class GatewayApp:
     async def respond(
         self, gateway: Gateway, scope: Scope, receive: Receive, started: float
     ) -> Response:
+        path = scope["path"]
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} not allowed here")
             headers = Headers(scope=scope)
             authorize(gateway, headers)
-            chat = parse_chat_request(await read_body(receive), headers)
+            body = await read_body(receive)
+            if path == RESPONSES_ROUTE:
+                return await respond_responses(gateway, body, headers, started)
+            if path == MESSAGES_ROUTE:
+                return await respond_messages(gateway, body, headers, started)
+            chat = parse_chat_request(body, headers)
             if chat.stream:
                 return SSEResponse(await gateway.service.open_stream(chat, started))
-            body, response_headers = await gateway.service.complete(chat)
-            return json_response(body, headers=response_headers)
+            response_body, response_headers = await gateway.service.complete(chat)
+            return json_response(response_body, headers=response_headers)
         except Exception as exc:
-            return error_response(exc, gateway.settings.serving.retry_after_s)
+            shape = to_anthropic if path == MESSAGES_ROUTE else to_http
+            return error_response(exc, gateway.settings.serving.retry_after_s, shape)
+
+
+async def respond_responses(
+    gateway: Gateway, body: bytes, headers: Headers, started: float
+) -> Response:
+    """/v1/responses: the stored conversation of previous_response_id in front of the input,
+    served as the chat route serves; the response is stored (unless store=false) before the
+    client sees its end, so its continuation always finds it."""
+    request = parse_responses_request(body, headers)
+    history, session_id = [], None
+    if request.previous_response_id is not None:
+        stored = await gateway.conversations.load(
+            request.previous_response_id, request.chat.session.owner
+        )
+        if stored is None:
+            raise InvalidRequest(
+                f"Previous response with id '{request.previous_response_id}' not found: it is "
+                "not a response of this API key, or it expired, or it was made with store=false",
+                param="previous_response_id",
+            )
+        history, session_id = stored.messages, stored.session_id
+    request = continued(request, history, session_id)
+    save = store_response(gateway, request) if request.store else None
+    service = gateway.service
+    if request.chat.stream:
+        stream = await service.open_stream(
+            request.chat, started, ResponseEvents.factory(request), save
+        )
+        return SSEResponse(stream)
+    done = await service.generate(request.chat)
+    if save is not None:
+        await save(done)
+    return json_response(response_body(request, done, service.model_name), headers=done.headers)
+
+
+def store_response(gateway: Gateway, request: ResponsesRequest):
+    async def save(done) -> None:
+        session_id = done.headers.get("X-Session-Id") or request.chat.session.session_id
+        conversation = StoredConversation(
+            request.chat.session.owner, session_id, stored_messages(request, done)
+        )
+        await gateway.conversations.save(done.request_id, conversation)
+
+    return save
+
+
+async def respond_messages(
+    gateway: Gateway, body: bytes, headers: Headers, started: float
+) -> Response:
+    """/v1/messages: served as the chat route serves, in Anthropic's shapes."""
+    chat = parse_messages_request(body, headers)
+    service = gateway.service
+    if chat.stream:
+        return SSEResponse(await service.open_stream(chat, started, MessageEvents))
+    done = await service.generate(chat)
+    return json_response(message_object(chat, done, service.model_name), headers=done.headers)
 
 
 def authorize(gateway: Gateway, headers: Mapping[str, str]) -> None:
+    """The API key as `Authorization: Bearer <key>` or (Anthropic's) `x-api-key: <key>`."""
     if not gateway.api_keys:
         return
-    header = headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    given = key.strip().encode()
-    if scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in gateway.api_keys):
+    given = (api_credential(headers) or "").encode()
+    if given and any(hmac.compare_digest(given, k) for k in gateway.api_keys):
         return
+    how = "Send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
     raise Unauthorized(
-        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
-        if header
-        else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+        f"Incorrect API key provided. {how}" if given else f"You didn't provide an API key. {how}"
     )
 
 
@@ -330,6 +409,13 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             context_length=window,
             started=int(time.time()),
             control_port=control_port,
+            conversations=ConversationStore(
+                redis,
+                metrics,
+                prefix=settings.sessions.key_prefix,
+                ttl_s=settings.sessions.ttl_s,
+                retry_after_s=settings.serving.retry_after_s,
+            ),
             feedback=FeedbackService(redis, store, settings.feedback, metrics)
             if settings.feedback.enabled
             else None,

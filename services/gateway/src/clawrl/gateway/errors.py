@@ -1,5 +1,6 @@
-"""Every failure a client can see, and the one place it becomes an HTTP status and an
-OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`)."""
+"""Every failure a client can see, and the one place it becomes an HTTP status and an error
+body: OpenAI's (`{"error": {"message", "type", "param", "code"}}`) on the OpenAI routes,
+Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on /v1/messages."""
 
 from __future__ import annotations
 
@@ -92,6 +93,14 @@ class EngineBadReply(GatewayError):
     code = "engine_error"
 
 
+class StoreUnavailable(GatewayError):
+    """Redis could not be read for a stored response (previous_response_id)."""
+
+    status = 503
+    type = "api_error"
+    code = "store_unavailable"
+
+
 @dataclass
 class HttpError:
     status: int
@@ -124,9 +133,6 @@ def as_gateway_error(exc: BaseException, retry_after_s: int = 5) -> GatewayError
 def to_http(exc: BaseException, retry_after_s: int = 5) -> HttpError:
     """The HTTP answer for a failure: status, OpenAI error body, headers."""
     error = as_gateway_error(exc, retry_after_s)
-    headers = {}
-    if error.retry_after_s is not None:
-        headers["Retry-After"] = str(error.retry_after_s)
     body = {
         "error": {
             "message": error.message,
@@ -135,7 +141,36 @@ def to_http(exc: BaseException, retry_after_s: int = 5) -> HttpError:
             "code": error.code,
         }
     }
-    return HttpError(error.status, body, headers)
+    return HttpError(error.status, body, _retry_headers(error))
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+ANTHROPIC_OVERLOADED = 529
+
+
+def to_anthropic(exc: BaseException, retry_after_s: int = 5) -> HttpError:
+    """The HTTP answer for a failure on the Anthropic route: Anthropic's status and body (a
+    gateway paused past its hold timeout is Anthropic's 529 overloaded_error)."""
+    error = as_gateway_error(exc, retry_after_s)
+    if isinstance(error, Overloaded):
+        status, kind = ANTHROPIC_OVERLOADED, "overloaded_error"
+    else:
+        status, kind = error.status, ANTHROPIC_TYPES.get(error.status, "api_error")
+    body = {"type": "error", "error": {"type": kind, "message": error.message}}
+    return HttpError(status, body, _retry_headers(error))
+
+
+def _retry_headers(error: GatewayError) -> dict[str, str]:
+    return {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
 
 
 def adapter_not_loaded(exc: BaseException) -> bool:

@@ -45,7 +45,9 @@ def _kind(value: Any) -> str:
 
 
 def _fail(message: str, **context: Any) -> PydanticCustomError:
-    return PydanticCustomError("invalid", message, context or None)
+    """A validation error whose message is `message` formatted with `context` (str.format:
+    pydantic's own templates know neither `!r` nor `{{` escapes)."""
+    return PydanticCustomError("invalid", message.format(**context))
 
 
 # --- the request models -------------------------------------------------------------------
@@ -157,6 +159,16 @@ class StreamOptions(_Model):
     include_usage: StrictBool | None = None
 
 
+def stop_sequences(raw: Any) -> list[str]:
+    """A validator's body: `stop` as a list of non-empty strings."""
+    stops = [] if raw is None else [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _fail("must be a string or an array of strings")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _fail("accepts at most {n} sequences", n=MAX_STOP_SEQUENCES)
+    return [s for s in stops if s]
+
+
 def _between(low: float, high: float, *, low_open: bool = False):
     """A validator: a number in [low, high], or (low, high] when `low_open`."""
     bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
@@ -235,15 +247,7 @@ class ChatBody(_Model):
             raise _fail("must be between 0 and {n}, got {value}", n=MAX_TOP_LOGPROBS, value=value)
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, raw: Any) -> list[str]:
-        stops = [] if raw is None else [raw] if isinstance(raw, str) else raw
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _fail("must be a string or an array of strings")
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise _fail("accepts at most {n} sequences", n=MAX_STOP_SEQUENCES)
-        return [s for s in stops if s]
+    _stop = field_validator("stop")(classmethod(lambda cls, raw: stop_sequences(raw)))
 
     @field_validator("tool_choice")
     @classmethod
@@ -273,6 +277,7 @@ class SessionMeta:
     turn_type: str | None = None  # None: the configured default applies
     session_done: bool = False
     scope: str = "-"  # caller_scope: whose anonymous conversations this request may continue
+    owner: str = "-"  # caller_scope of the API key alone: whose stored responses it may continue
 
 
 @dataclass
@@ -298,6 +303,7 @@ class ChatRequest:
     top_logprobs: int = 0
     session: SessionMeta = field(default_factory=SessionMeta)
     input_chars: int = 0  # size of messages + tools, to decide where to tokenise
+    api: str = "chat"  # the API it came through: chat | responses | messages
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -363,6 +369,15 @@ def parse_chat_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
         # Rendering cost grows with the schemas' size; str() is a cheap enough estimate of it.
         input_chars=chars + (sum(len(str(tool)) for tool in tools) if tools else 0),
     )
+
+
+def render_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as the template renders it: role, text, tool calls (what the chat
+    route renders of a message; the other APIs' requests convert to the same)."""
+    copy = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        copy["tool_calls"] = message["tool_calls"]
+    return copy
 
 
 # --- pydantic errors as OpenAI errors -----------------------------------------------------
@@ -435,8 +450,9 @@ def invalid_request(exc: ValidationError) -> InvalidRequest:
 # --- session keys -------------------------------------------------------------------------
 
 
-def session_meta(data: dict[str, Any], headers: Mapping[str, str]) -> SessionMeta:
-    """Session keys from headers or body; the body keys are removed from `data`."""
+def session_meta(data: dict[str, Any], headers: Mapping[str, str], user: Any = None) -> SessionMeta:
+    """Session keys from headers or body; the body keys are removed from `data`. `user`: the
+    caller's end-user id where the API does not name it `user` (Anthropic's metadata.user_id)."""
     body = {key: data.pop(key) for key in SESSION_BODY_KEYS if key in data}
     session_id = headers.get("x-session-id") or body.get("session_id")
     if session_id is not None:
@@ -453,13 +469,20 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str]) -> SessionMet
     done = headers.get("x-session-done")
     if done is None:
         done = body.get("session_done", False)
+    credential = api_credential(headers)
+    if user is None:
+        user = data.get("user")
+    scope = caller_scope(credential, user if isinstance(user, str) else None)
+    return SessionMeta(session_id, turn_type, _truthy(done), scope, caller_scope(credential, None))
+
+
+def api_credential(headers: Mapping[str, str]) -> str | None:
+    """The API key a request presents: `Authorization: Bearer <key>`, or Anthropic's
+    `x-api-key: <key>`."""
     scheme, _, credential = headers.get("authorization", "").partition(" ")
-    user = data.get("user")
-    scope = caller_scope(
-        credential.strip() if scheme.lower() == "bearer" else None,
-        user if isinstance(user, str) else None,
-    )
-    return SessionMeta(session_id, turn_type, _truthy(done), scope)
+    if scheme.lower() == "bearer" and credential.strip():
+        return credential.strip()
+    return headers.get("x-api-key", "").strip() or None
 
 
 def _truthy(value: Any) -> bool:

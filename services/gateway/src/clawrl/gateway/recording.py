@@ -247,10 +247,11 @@ class Recorder:
         *,
         scope: str,
         done: bool,
+        api: str = "chat",
     ) -> TurnContext:
         """What a main request's recording needs from the request itself (pure: Redis is
         written once, when the request ends, by `finish` or `abandon`)."""
-        hashes = history_hashes(messages)
+        hashes = history_hashes(messages, api)
         return TurnContext(
             request_id=request_id,
             session_id=session_id or "",

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -72,6 +72,7 @@ class Generation:
     weight_version: str = ""  # the engine's, for the weights that sampled these tokens
     first_weight_version: str = ""  # the engine's on the first reply
     streamed: bool = False  # then first_weight_version is of the first tokens
+    matched_stop: str | None = None  # the stop string that ended it (Anthropic reports it)
 
     def update(self, reply: dict[str, Any]) -> str:
         """Take one /generate reply or stream event; returns the text it adds. Handles both
@@ -112,6 +113,8 @@ class Generation:
             if kind not in ("stop", "length"):
                 raise EngineBadReply(f"the engine ended the generation with {kind!r}")
             self.finish = kind
+            matched = finish.get("matched") if isinstance(finish, dict) else None
+            self.matched_stop = matched if isinstance(matched, str) else None
         return added
 
 
@@ -254,26 +257,10 @@ class ChatService:
             request.messages,
             scope=request.session.scope,
             done=request.session.session_done,
+            api=request.api,
         )
 
     # --- building responses -------------------------------------------------------------
-
-    def _message(self, request: ChatRequest, generation: Generation) -> tuple[dict[str, Any], str]:
-        """The assistant message and OpenAI finish reason of a whole generation."""
-        content, calls = (
-            parse_tool_calls(generation.text, self.tool_call_parser)
-            if request.parse_tool_calls
-            else (generation.text, [])
-        )
-        return assistant_message(content, calls), finish_reason(generation, calls)
-
-    def _usage(self, generation: Generation, prompt_tokens: int) -> dict[str, int]:
-        completion = len(generation.ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
 
     def _count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -363,11 +350,12 @@ class ChatService:
 
     # --- non-streaming ------------------------------------------------------------------
 
-    async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], dict[str, str]]:
-        """A whole chat completion and the response headers (session and turn ids)."""
+    async def generate(self, request: ChatRequest) -> Completion:
+        """One whole generation, recorded (a main turn) before it is returned: the core every
+        API's non-streamed response is formatted from."""
         prompt_ids = await self.prompt_ids(request)
         payload = self.payload(request, prompt_ids)
-        request_id = new_request_id()
+        request_id = new_request_id(request.api)
         turn = self._begin_turn(request, request_id)
         try:
             async with self.gate.admit() as admitted:
@@ -378,38 +366,48 @@ class ChatService:
             self._engine_failed(exc)
             await self._abandon(request, request_id, turn)
             raise
-        policy_version, _ = turn_versions(generation.weight_version, admitted)
-        message, finish = self._message(request, generation)
-        self._count_tokens(len(prompt_ids), len(generation.ids))
-        response = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "system_fingerprint": f"clawrl-policy-v{policy_version}",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": openai_logprobs(generation) if request.logprobs else None,
-                    "finish_reason": finish,
-                }
-            ],
-            "usage": self._usage(generation, len(prompt_ids)),
-        }
-        headers = await self._record(
-            request, request_id, turn, prompt_ids, generation, message, finish, admitted
+        content, calls = (
+            parse_tool_calls(generation.text, self.tool_call_parser)
+            if request.parse_tool_calls
+            else (generation.text, [])
         )
-        return response, headers
+        done = Completion(
+            request_id=request_id,
+            generation=generation,
+            content=content,
+            calls=calls,
+            message=assistant_message(content, calls),
+            finish=finish_reason(generation, calls),
+            prompt_tokens=len(prompt_ids),
+            policy_version=turn_versions(generation.weight_version, admitted)[0],
+        )
+        self._count_tokens(len(prompt_ids), len(generation.ids))
+        done.headers = await self._record(
+            request, request_id, turn, prompt_ids, generation, done.message, done.finish, admitted
+        )
+        return done
+
+    async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        """A whole chat completion and the response headers (session and turn ids)."""
+        done = await self.generate(request)
+        return chat_completion(done, self.model_name, request.logprobs), done.headers
 
     # --- streaming ----------------------------------------------------------------------
 
-    async def open_stream(self, request: ChatRequest, started: float) -> OpenStream:
-        """Start a streamed completion. Everything that can fail with a proper HTTP status
-        (validation, hold timeout, engine down) fails here, before the response starts."""
+    async def open_stream(
+        self,
+        request: ChatRequest,
+        started: float,
+        encoder: EncoderFactory | None = None,
+        on_complete: Callable[[Completion], Awaitable[None]] | None = None,
+    ) -> OpenStream:
+        """Start a streamed completion, its events encoded by `encoder` (chat-completion
+        chunks by default); `on_complete` runs once it is recorded, before its last event.
+        Everything that can fail with a proper HTTP status (validation, hold timeout, engine
+        down) fails here, before the response starts."""
         prompt_ids = await self.prompt_ids(request)
         payload = self.payload(request, prompt_ids)
-        request_id = new_request_id()
+        request_id = new_request_id(request.api)
         turn = self._begin_turn(request, request_id)
         admission = contextlib.AsyncExitStack()
         events = None
@@ -438,8 +436,11 @@ class ChatService:
             if turn is not None and self.recorder is not None:
                 self.recorder.abandon_soon(turn)  # no-op unless the client left mid-stream
 
-        stream = StreamState(request, request_id, turn, prompt_ids, admitted)
-        return OpenStream(self._sse(stream, first, events, release), end)
+        stream = StreamState(
+            request, request_id, turn, prompt_ids, admitted, Generation(streamed=True), on_complete
+        )
+        lines = self._sse(stream, first, events, release, (encoder or ChatChunks)(stream, self))
+        return OpenStream(lines, end)
 
     async def _sse(
         self,
@@ -447,58 +448,37 @@ class ChatService:
         first: dict[str, Any],
         events: AsyncIterator[dict[str, Any]],
         release: Callable[[], Awaitable[None]],
+        encoder: StreamEncoder,
     ) -> AsyncIterator[bytes]:
         request = stream.request
-        generation = Generation(streamed=True)
+        generation = stream.generation
         try:
             generation.update(first)
         except Exception as exc:
             await release()
-            yield await self._stream_failed(stream, exc)
+            yield await self._stream_failed(stream, exc, encoder)
             return
-        base = {
-            "id": stream.request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        usage_key = {"usage": None} if request.include_usage else {}
-
-        def head() -> dict[str, Any]:
-            # The weights of the latest event: a sync mid-stream shows from the next chunk on.
-            version, _ = turn_versions(generation.weight_version, stream.admitted)
-            return {**base, "system_fingerprint": f"clawrl-policy-v{version}"}
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return b"data: " + orjson.dumps({**head(), "choices": [choice], **usage_key}) + b"\n\n"
-
         parser = StreamingToolCallParser(
             self.tool_call_parser if request.parse_tool_calls else "none"
         )
         calls: list[ToolCall] = []
         content: list[str] = []
-        sent_tokens = 0
 
         def pieces(deltas: list[Delta]) -> list[bytes]:
-            nonlocal sent_tokens
             out = []
             for delta in deltas:
-                logprobs = None
-                if request.logprobs:
-                    logprobs = openai_logprobs(generation, sent_tokens)
-                    sent_tokens = len(generation.ids)
                 if delta.tool_call is not None:
-                    call = delta.tool_call.to_openai(index=len(calls))
                     calls.append(delta.tool_call)
-                    out.append(chunk({"tool_calls": [call]}, logprobs=logprobs))
                 elif delta.content:
                     content.append(delta.content)
-                    out.append(chunk({"content": delta.content}, logprobs=logprobs))
+                else:
+                    continue
+                out += encoder.piece(delta)
             return out
 
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            for piece in encoder.opening():
+                yield piece
             try:
                 for piece in pieces(parser.feed(generation.text)):
                     yield piece
@@ -510,40 +490,71 @@ class ChatService:
             for piece in pieces(parser.finish()):
                 yield piece
         except Exception as exc:
-            yield await self._stream_failed(stream, exc)
+            yield await self._stream_failed(stream, exc, encoder)
             return
         if generation.finish is None:
             generation.finish = "stop"
-        finish = finish_reason(generation, calls)
+        text = "".join(content)
+        done = Completion(
+            request_id=stream.request_id,
+            generation=generation,
+            content=text,
+            calls=calls,
+            message=assistant_message(text, calls),
+            finish=finish_reason(generation, calls),
+            prompt_tokens=len(stream.prompt_ids),
+            policy_version=turn_versions(generation.weight_version, stream.admitted)[0],
+        )
         self._count_tokens(len(stream.prompt_ids), len(generation.ids))
-        # Stored before the finish chunk leaves: a client that sends its next request (or
-        # hangs up) on finish_reason, before [DONE], must find the turn pending.
+        # Stored before the last events leave: a client that sends its next request (or hangs
+        # up) on the finish, before the stream's end, must find the turn pending.
         if stream.turn is not None or request.session.session_done:
             with log_context(session_id=stream.turn.session_id if stream.turn else None):
-                await self._record(
+                done.headers = await self._record(
                     request,
                     stream.request_id,
                     stream.turn,
                     stream.prompt_ids,
                     generation,
-                    assistant_message("".join(content), calls),
-                    finish,
+                    done.message,
+                    done.finish,
                     stream.admitted,
                 )
-        yield chunk({}, finish)
-        if request.include_usage:
-            usage = self._usage(generation, len(stream.prompt_ids))
-            yield b"data: " + orjson.dumps({**head(), "choices": [], "usage": usage}) + b"\n\n"
-        yield DONE
+        if stream.on_complete is not None:
+            await stream.on_complete(done)
+        for piece in encoder.closing(done):
+            yield piece
 
-    async def _stream_failed(self, stream: StreamState, exc: Exception) -> bytes:
+    async def _stream_failed(
+        self, stream: StreamState, exc: Exception, encoder: StreamEncoder
+    ) -> bytes:
         """The error event that ends a stream which broke after it started."""
         self._engine_failed(exc)
         await self._abandon(stream.request, stream.request_id, stream.turn)
-        return b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
+        return encoder.failure(exc)
 
 
-@dataclass(frozen=True)
+@dataclass
+class Completion:
+    """A finished generation as every API formats it (recorded, when a main turn, before any
+    of it is formatted)."""
+
+    request_id: str  # also the response id the client gets
+    generation: Generation
+    content: str | None  # the text around the tool calls (None: only calls)
+    calls: list[ToolCall]
+    message: dict[str, Any]  # the assistant message, chat-completions shaped, as recorded
+    finish: str  # chat-completions finish reason: stop | length | tool_calls
+    prompt_tokens: int
+    policy_version: int
+    headers: dict[str, str] = field(default_factory=dict)  # X-Session-Id, X-Turn-Id
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generation.ids)
+
+
+@dataclass
 class StreamState:
     """What a started stream carries from its opening to its end."""
 
@@ -552,6 +563,110 @@ class StreamState:
     turn: TurnContext | None
     prompt_ids: list[int]
     admitted: Admission
+    generation: Generation
+    on_complete: Callable[[Completion], Awaitable[None]] | None = None
+
+
+class StreamEncoder(Protocol):
+    """One API's server-sent events for a stream; the core calls `opening` once, `piece` for
+    each content delta or complete tool call, then `closing` (after recording) or, when the
+    stream breaks after it started, `failure`."""
+
+    def opening(self) -> list[bytes]: ...
+
+    def piece(self, delta: Delta) -> list[bytes]: ...
+
+    def closing(self, done: Completion) -> list[bytes]: ...
+
+    def failure(self, exc: Exception) -> bytes: ...
+
+
+EncoderFactory = Callable[[StreamState, "ChatService"], StreamEncoder]
+
+
+# --- the chat-completions format ----------------------------------------------------------
+
+
+def chat_completion(done: Completion, model_name: str, logprobs: bool) -> dict[str, Any]:
+    """The chat.completion body of a finished generation."""
+    return {
+        "id": done.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "system_fingerprint": f"clawrl-policy-v{done.policy_version}",
+        "choices": [
+            {
+                "index": 0,
+                "message": done.message,
+                "logprobs": openai_logprobs(done.generation) if logprobs else None,
+                "finish_reason": done.finish,
+            }
+        ],
+        "usage": chat_usage(done),
+    }
+
+
+def chat_usage(done: Completion) -> dict[str, int]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+
+
+class ChatChunks:
+    """chat.completion.chunk events, then `data: [DONE]`."""
+
+    def __init__(self, stream: StreamState, service: ChatService):
+        self.stream = stream
+        self.retry_after_s = service.retry_after_s
+        self.logprobs = stream.request.logprobs
+        self.include_usage = stream.request.include_usage
+        self.base = {
+            "id": stream.request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": service.model_name,
+        }
+        self.usage_key = {"usage": None} if self.include_usage else {}
+        self.sent_tokens = 0
+        self.calls = 0
+
+    def head(self) -> dict[str, Any]:
+        # The weights of the latest event: a sync mid-stream shows from the next chunk on.
+        version, _ = turn_versions(self.stream.generation.weight_version, self.stream.admitted)
+        return {**self.base, "system_fingerprint": f"clawrl-policy-v{version}"}
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        body = {**self.head(), "choices": [choice], **self.usage_key}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def piece(self, delta: Delta) -> list[bytes]:
+        logprobs = None
+        if self.logprobs:
+            logprobs = openai_logprobs(self.stream.generation, self.sent_tokens)
+            self.sent_tokens = len(self.stream.generation.ids)
+        if delta.tool_call is not None:
+            call = delta.tool_call.to_openai(index=self.calls)
+            self.calls += 1
+            return [self.chunk({"tool_calls": [call]}, logprobs=logprobs)]
+        return [self.chunk({"content": delta.content}, logprobs=logprobs)]
+
+    def closing(self, done: Completion) -> list[bytes]:
+        out = [self.chunk({}, done.finish)]
+        if self.include_usage:
+            body = {**self.head(), "choices": [], "usage": chat_usage(done)}
+            out.append(b"data: " + orjson.dumps(body) + b"\n\n")
+        out.append(DONE)
+        return out
+
+    def failure(self, exc: Exception) -> bytes:
+        return b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
 
 
 def routed(payload: dict[str, Any], admitted: Admission) -> dict[str, Any]:
@@ -559,9 +674,13 @@ def routed(payload: dict[str, Any], admitted: Admission) -> dict[str, Any]:
     return {**payload, "lora_path": admitted.adapter} if admitted.adapter else payload
 
 
-def new_request_id() -> str:
-    """The response id, which also keys the session scripts' writes of this request."""
-    return "chatcmpl-" + secrets.token_hex(12)
+ID_PREFIXES = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+def new_request_id(api: str = "chat") -> str:
+    """The response id, in the API's own form; it also keys the session scripts' writes of
+    this request."""
+    return ID_PREFIXES[api] + secrets.token_hex(12)
 
 
 def finish_reason(generation: Generation, calls: list[ToolCall]) -> str:

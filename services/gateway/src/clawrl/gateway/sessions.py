@@ -90,10 +90,13 @@ def extend_hash(previous: str, message: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def history_hashes(messages: Sequence[dict[str, Any]]) -> list[str]:
+def history_hashes(messages: Sequence[dict[str, Any]], api: str = "chat") -> list[str]:
     """hashes[i] identifies messages[: i + 1]: equal histories, compared canonically, give
-    equal hashes."""
-    hashes, current = [], ""
+    equal hashes. The chain starts from the API the request came through (chat's from ""):
+    a request of one API never continues a conversation of another, so a session that mixes
+    them is noticed (its turn is finalised with history_mismatch) and an anonymous one is not
+    matched across them."""
+    hashes, current = [], "" if api == "chat" else api
     for message in messages:
         current = extend_hash(current, message)
         hashes.append(current)
