@@ -120,6 +120,36 @@ def test_the_cluster_dashboard_shows_gpus_pods_redis_and_ray() -> None:
     assert expected <= metrics
 
 
+def test_ray_metrics_are_scraped_from_every_ray_node_once() -> None:
+    """The Ray panels' series: port 8080 of the head and the GPU workers (KubeRay adds
+    ray.io/is-ray-node to their pods), not of the job submitter, through one Service."""
+    objects = render(sets=("serviceMonitor.enabled=true",))
+    (rayjob,) = [o for o in objects if o["kind"] == "RayJob"]
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    node = {"ray.io/is-ray-node": "yes"}  # what KubeRay adds to the Ray nodes' pods
+    pods = {
+        "head": {**cluster["headGroupSpec"]["template"]["metadata"]["labels"], **node},
+        "gpu": {**cluster["workerGroupSpecs"][0]["template"]["metadata"]["labels"], **node},
+        "submitter": rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"],
+    }
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor" and
+                  o["metadata"]["name"] == "clawrl-trainer"]  # fmt: skip
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    services = [o for o in objects if o["kind"] == "Service" and
+                all(o["metadata"]["labels"].get(k) == v for k, v in wanted.items())]  # fmt: skip
+    scraped = {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
+
+    def selects(service: dict, labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+    targets = [(pod, port["port"]) for service in services for port in service["spec"]["ports"]
+               if port["name"] in scraped for pod, labels in pods.items()
+               if selects(service, labels)]  # fmt: skip
+    ray = sorted(target for target in targets if target[1] == 8080)
+    assert ray == [("gpu", 8080), ("head", 8080)]
+    assert len(targets) == len(set(targets))  # every series scraped once
+
+
 def test_the_metric_check_catches_a_misspelt_name() -> None:
     expr = 'sum by (route) (rate(clawrl_gateway_request_total{status=~"5.."}[5m])) or vector(0)'
     assert metric_names(expr) == {"clawrl_gateway_request_total"}
