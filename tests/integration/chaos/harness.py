@@ -46,6 +46,7 @@ VERSIONS = "clawrl:versions"
 UNFINISHED = f"{SAMPLES}:trainers:unfinished-steps"  # the trainer's steps in progress
 JUDGE_CONSUMER = "chaos-judge"
 KINDS = ("judge", "trainer", "launcher")
+CHAOS_MARK = "CLAWRL_CHAOS_RUN"
 
 
 @dataclass
@@ -192,7 +193,9 @@ class Stack:
             [str(VENV_BIN / "clawrl-trainer"), "--model", MODEL,
              "--checkpoint-dir", str(self.checkpoints), "--batch-size", str(plan.batch_size),
              "--sync-interval", "1", "--metrics-port", str(trainer_metrics)],
+            # CHAOS_MARK: Ray's processes inherit it, so what a killed trainer left is found.
             {**common, "CLAWRL_CONSUMER__BLOCK_MS": "200", "CLAWRL_RAY__NUM_CPUS": "1",
+             CHAOS_MARK: str(workdir),
              "CLAWRL_ROLLOUT__MAX_STALENESS": str(plan.max_staleness),
              "CLAWRL_CHECKPOINT__KEEP_VERSIONS": str(plan.max_staleness + 1)},
             self.log_dir,
@@ -278,6 +281,17 @@ class Stack:
                 status = gateway_status(control)
                 out[f"gateway-{i}"] = "paused" if status.paused else status.policy_version
         return out
+
+
+def marked_processes(workdir: Path) -> list[int]:
+    """Processes started by this run's trainers (their environment carries the mark)."""
+    mark = f"{CHAOS_MARK}={workdir}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(int(pid))
+    return found
 
 
 def trainer_state(checkpoints: Path) -> dict | None:
@@ -493,6 +507,8 @@ def problems(t: dict[str, object], plan: Plan) -> list[str]:
         found.append(f"dropped for other reasons than staleness: {t['dropped']}")
     if t["waiting"] >= plan.batch_size:
         found.append(f"{t['waiting']} trainable samples stranded (a batch is {plan.batch_size})")
+    if t.get("trainer_processes_left"):
+        found.append(f"{t['trainer_processes_left']} trainer (Ray) processes left after the stop")
     if not converged(t["versions"]):
         found.append(f"versions not converged: {t['versions']}")
     wanted = {"judge": plan.judge_kills, "trainer": plan.trainer_kills,
@@ -536,6 +552,11 @@ def run(workdir: Path, plan: Plan) -> tuple[dict[str, object], list[str]]:
             service.wait_ready(300)
         settle(stack, plan)
         t = tally(stack, plan, load, kills)
-        return t, problems(t, plan)
     finally:
         stack.stop()
+    # Every trainer was killed or stopped: what any of them started must be gone too.
+    deadline = time.monotonic() + 10
+    while (left := marked_processes(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    t["trainer_processes_left"] = len(left)
+    return t, problems(t, plan)
