@@ -65,6 +65,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_weight_sync.py --lora
 	$(PY) tests/bench/bench_broadcast.py
 	$(PY) tests/bench/bench_learning.py
+	$(PY) tests/bench/bench_chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
