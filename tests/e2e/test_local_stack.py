@@ -3,8 +3,10 @@ gateway, the finished turns land on the Redis stream, and Ctrl-C (SIGTERM) stops
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -122,3 +124,106 @@ def test_a_prompt_beyond_the_models_trained_context_is_served(stack: dict[str, i
     for port in (stack["policy"], stack["judge"]):
         info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
         assert info["context_length"] == 16384
+
+
+def _samples_of(r: redis.Redis, session_id: str) -> list[Sample]:
+    found = [decode_entry(f, Sample) for _, f in r.xrange("clawrl:samples")]
+    return [s for s in found if s.session_id == session_id]
+
+
+def _turns_of(r: redis.Redis, session_id: str) -> list[Turn]:
+    found = [decode_entry(f, Turn) for _, f in r.xrange("clawrl:turns")]
+    return [t for t in found if t.session_id == session_id]
+
+
+WEATHER_TOOL = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_a_responses_api_agent_with_tools_trains_through_the_stack(stack: dict[str, int]) -> None:
+    """The OpenAI Responses API (official client): a tool call and its output in the input,
+    then a continuation that sends only previous_response_id and the new input; both turns
+    reach clawrl:turns (the first with the second's input as next state) and clawrl:samples."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{stack['gateway']}/v1", api_key="local")
+    headers = {"X-Session-Id": "e2e-responses"}
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL}]
+    first = client.responses.create(
+        model="smollm2-tiny",
+        instructions="Answer with the weather tool's help.",
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": '{"temp_c": 24}'},
+        ],
+        tools=tools,
+        max_output_tokens=6,
+        extra_headers=headers,
+    )  # fmt: skip
+    second = client.responses.create(
+        model="smollm2-tiny",
+        instructions="Answer with the weather tool's help.",
+        previous_response_id=first.id,
+        input="And in Rome?",
+        tools=tools,
+        max_output_tokens=6,
+        extra_headers={**headers, "X-Session-Done": "true"},
+    )
+    assert second.previous_response_id == first.id
+    r = redis.Redis(port=stack["redis"])
+    turns = _turns_of(r, "e2e-responses")
+    assert [t.request_id for t in turns] == [first.id, second.id]
+    assert json.loads(turns[0].next_state_json) == {"role": "user", "content": "And in Rome?"}
+    assert not turns[0].history_mismatch
+    assert json.loads(turns[1].messages_json)[2]["tool_calls"][0]["function"]["name"] == (
+        "get_weather"
+    )
+    wait_until(lambda: len(_samples_of(r, "e2e-responses")) == 2, 300, "samples of responses")
+    for sample in _samples_of(r, "e2e-responses"):
+        turn = next(t for t in turns if t.turn_id == sample.sample_id)
+        assert list(sample.response_ids) == list(turn.response_ids)
+
+
+def test_an_anthropic_messages_agent_with_tools_trains_through_the_stack(
+    stack: dict[str, int],
+) -> None:
+    """The Anthropic Messages API (official client, x-api-key): tool_use and tool_result blocks
+    in a resent history; both turns reach clawrl:turns and clawrl:samples."""
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack['gateway']}", api_key="local")
+    headers = {"X-Session-Id": "e2e-messages"}
+    tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL}]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": '{"temp_c": 24}'}]},
+    ]  # fmt: skip
+    first = client.messages.create(
+        model="smollm2-tiny",
+        system="Answer with the weather tool's help.",
+        messages=history,
+        tools=tools,
+        max_tokens=6,
+        extra_headers=headers,
+    )
+    history += [
+        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": "And in Rome?"},
+    ]
+    second = client.messages.create(
+        model="smollm2-tiny",
+        system="Answer with the weather tool's help.",
+        messages=history,
+        tools=tools,
+        max_tokens=6,
+        extra_headers={**headers, "X-Session-Done": "true"},
+    )
+    r = redis.Redis(port=stack["redis"])
+    turns = _turns_of(r, "e2e-messages")
+    assert [t.request_id for t in turns] == [first.id, second.id]
+    assert json.loads(turns[0].next_state_json) == {"role": "user", "content": "And in Rome?"}
+    assert not turns[0].history_mismatch
+    wait_until(lambda: len(_samples_of(r, "e2e-messages")) == 2, 300, "samples of messages")
+    for sample in _samples_of(r, "e2e-messages"):
+        turn = next(t for t in turns if t.turn_id == sample.sample_id)
+        assert list(sample.response_ids) == list(turn.response_ids)
