@@ -276,6 +276,31 @@ async def test_feedback_arriving_while_the_turn_is_judged_is_audited_as_late(
     assert [k.decode()[:2] for k in stored] == ["l:"]
 
 
+async def test_responses_and_messages_ids_are_ratable(gateway: GatewayHandle) -> None:
+    """A turn made through /v1/responses or /v1/messages is rated by the id that API gave."""
+    import anthropic
+
+    openai = AsyncOpenAI(base_url=gateway.base_url, api_key=ALICE, max_retries=0)
+    response = await openai.responses.create(
+        model=TINY, input="What is 2+3?", max_output_tokens=4,
+        extra_headers={"X-Session-Id": session()},
+    )  # fmt: skip
+    await openai.close()
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key=BOB, max_retries=0)
+    message = await claude.messages.create(
+        model=TINY, max_tokens=4, messages=[{"role": "user", "content": "What is 2+3?"}],
+        extra_headers={"X-Session-Id": session()},
+    )  # fmt: skip
+    await claude.close()
+    for rated, key in ((response.id, ALICE), (message.id, BOB)):
+        reply = await feedback(gateway, {"response_id": rated, "thumbs": "up"}, key=key)
+        assert reply.status_code == 200 and reply.json()["status"] == "accepted", reply.text
+    # x-api-key names the caller as Bearer does: Bob's message is not Alice's to rate.
+    foreign = await feedback(gateway, {"response_id": message.id, "reward": 1}, key=None,
+                             **{"x-api-key": ALICE})  # fmt: skip
+    assert foreign.status_code == 404
+
+
 async def test_another_callers_turn_is_not_found(gateway: GatewayHandle) -> None:
     sid = session()
     response_id, _ = await chat(gateway, sid, key=ALICE)

@@ -38,7 +38,14 @@ from clawrl.common.feedback import (
 )
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
 from clawrl.gateway.metrics import GatewayMetrics
-from clawrl.gateway.protocol import Number, _fail, _Model, invalid_request, parse_body
+from clawrl.gateway.protocol import (
+    Number,
+    _fail,
+    _Model,
+    api_credential,
+    invalid_request,
+    parse_body,
+)
 from clawrl.gateway.sessions import SessionStore, caller_scope
 
 log = logging.getLogger(__name__)
@@ -134,10 +141,8 @@ class FeedbackRequest:
 
 
 def request_scope(headers: Mapping[str, str], user: str | None) -> str:
-    """The caller as the chat route records it: its bearer credential (or x-api-key) and user."""
-    scheme, _, credential = headers.get("authorization", "").partition(" ")
-    key = credential.strip() if scheme.lower() == "bearer" else headers.get("x-api-key")
-    return caller_scope(key or None, user)
+    """The caller as the serving routes record it: its API key and `user`."""
+    return caller_scope(api_credential(headers), user)
 
 
 def parse_feedback(
