@@ -5,6 +5,7 @@ preference check as the simulated user's."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from openai import OpenAI
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 from clawrl.simulate.main import evaluate, parse_args
-from clawrl.simulate.preference import satisfies
+from clawrl.simulate.preference import satisfies, verdict
 from clawrl.simulate.questions import held_out_questions
 from tests.integration.engine.lora_adapters import make_adapter
 
@@ -53,7 +54,11 @@ def greedy_replies(url: str, lora: str | None) -> list[str]:
 
 def score_line(version: int, replies: list[str]) -> str:
     met = sum(satisfies(r) for r in replies)
-    return f"v{version}: held-out score {met / 32:.3f} ({met}/32)"
+    missed = Counter(verdict(r).value for r in replies if not satisfies(r))
+    why = ", ".join(f"{name} {count}" for name, count in sorted(missed.items()))
+    return f"v{version}: held-out score {met / 32:.3f} ({met}/32" + (
+        f"; missed: {why})" if why else ")"
+    )
 
 
 def run_eval(url: str, *extra: str) -> int:

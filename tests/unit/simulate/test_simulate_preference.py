@@ -123,9 +123,13 @@ def test_held_out_scores_by_version() -> None:
     answers = [(3, PARAGRAPH), (3, LISTED), (3, PARAGRAPH), (4, "short")]
     found = scores(answers)
     assert found == [HeldOutScore(3, 3, pytest.approx(2 / 3)), HeldOutScore(4, 1, 0.0)]
+    # Why the others missed: the complaint each reply got.
+    assert [s.misses for s in found] == [{"layout": 1}, {"too_short": 1}]
+    assert [s.summary() for s in found] == ["2/3; missed: layout 1", "0/1; missed: too_short 1"]
     assert complete(found) == []  # neither covers all 32 questions
     every = scores([(5, PARAGRAPH)] * 32)
     assert complete(every) == every == [HeldOutScore(5, 32, 1.0)]
+    assert every[0].summary() == "32/32"
     assert reply_version("clawrl-policy-v12") == 12 and reply_version(None) == 0
     assert adapter_version("policy-v7") == 7 and adapter_version(None) == 0
     with pytest.raises(ValueError, match="policy-vN"):

@@ -12,12 +12,12 @@ import asyncio
 import logging
 import re
 import uuid
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 import openai
 
-from clawrl.simulate.preference import satisfies
+from clawrl.simulate.preference import Verdict, verdict
 from clawrl.simulate.questions import held_out_questions
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,13 @@ class HeldOutScore:
     version: int
     replies: int
     score: float  # share of the replies that meet the preference
+    # How many replies got each complaint (layout, too_short, repetitive): why the rest missed.
+    misses: dict[str, int] = field(default_factory=dict, compare=False)
+
+    def summary(self) -> str:
+        met = round(self.score * self.replies)
+        why = ", ".join(f"{name} {count}" for name, count in sorted(self.misses.items()))
+        return f"{met}/{self.replies}" + (f"; missed: {why}" if why else "")
 
 
 class EvalError(RuntimeError):
@@ -55,10 +62,15 @@ def adapter_version(lora: str | None) -> int:
 
 def scores(answers: list[tuple[int, str]]) -> list[HeldOutScore]:
     """(version, reply) pairs -> the score of each version that produced some, by version."""
-    by_version: dict[int, list[bool]] = defaultdict(list)
+    by_version: dict[int, list[Verdict]] = defaultdict(list)
     for version, reply in answers:
-        by_version[version].append(satisfies(reply))
-    return [HeldOutScore(v, len(met), sum(met) / len(met)) for v, met in sorted(by_version.items())]
+        by_version[version].append(verdict(reply))
+    found = []
+    for version, verdicts in sorted(by_version.items()):
+        met = verdicts.count(Verdict.PLEASED)
+        misses = Counter(v.value for v in verdicts if v is not Verdict.PLEASED)
+        found.append(HeldOutScore(version, len(verdicts), met / len(verdicts), dict(misses)))
+    return found
 
 
 async def held_out_answers(

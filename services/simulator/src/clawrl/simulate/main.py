@@ -187,7 +187,8 @@ class Evaluator:
             return False
         for score in complete(scores(answers)):
             self.found[score.version] = score
-            print(f"held-out score of v{score.version}: {score.score:.3f}", flush=True)
+            print(f"held-out score of v{score.version}: {score.score:.3f} ({score.summary()})",
+                  flush=True)  # fmt: skip
         return True
 
     def behind(self, progress: Progress) -> bool:
@@ -273,8 +274,7 @@ async def evaluate(args: argparse.Namespace) -> int:
         return 1
     found = scores(answers)
     for score in found:
-        met = round(score.score * score.replies)
-        print(f"v{score.version}: held-out score {score.score:.3f} ({met}/{score.replies})")
+        print(f"v{score.version}: held-out score {score.score:.3f} ({score.summary()})")
     # A sync during the evaluation splits it: no version was scored on every question.
     return 0 if complete(found) else 2
 
