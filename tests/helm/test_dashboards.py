@@ -132,19 +132,22 @@ def test_ray_metrics_are_scraped_from_every_ray_node_once() -> None:
         "gpu": {**cluster["workerGroupSpecs"][0]["template"]["metadata"]["labels"], **node},
         "submitter": rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"],
     }
-    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor" and
-                  o["metadata"]["name"] == "clawrl-trainer"]  # fmt: skip
-    wanted = monitor["spec"]["selector"]["matchLabels"]
-    services = [o for o in objects if o["kind"] == "Service" and
-                all(o["metadata"]["labels"].get(k) == v for k, v in wanted.items())]  # fmt: skip
-    scraped = {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
 
-    def selects(service: dict, labels: dict) -> bool:
-        return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    def selects(selector: dict, labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in selector.items())
 
-    targets = [(pod, port["port"]) for service in services for port in service["spec"]["ports"]
-               if port["name"] in scraped for pod, labels in pods.items()
-               if selects(service, labels)]  # fmt: skip
+    targets = []
+    for monitor in [o for o in objects if o["kind"] == "ServiceMonitor"]:
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        scraped = {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
+        services = [
+            o
+            for o in objects
+            if o["kind"] == "Service" and selects(wanted, o["metadata"]["labels"])
+        ]
+        targets += [(pod, port["port"]) for service in services for port in service["spec"]["ports"]
+                    if port["name"] in scraped for pod, labels in pods.items()
+                    if selects(service["spec"]["selector"], labels)]  # fmt: skip
     ray = sorted(target for target in targets if target[1] == 8080)
     assert ray == [("gpu", 8080), ("head", 8080)]
     assert len(targets) == len(set(targets))  # every series scraped once
