@@ -434,6 +434,14 @@ def trainer_drops(log_path: Path) -> dict[str, str]:
     return dict(DROPPED.findall(log_path.read_text(errors="replace")))
 
 
+RETRACTED = re.compile(r"(\d+) generation\(s\) retracted")
+
+
+def retracted(log_path: Path) -> int:
+    """Generations the syncs retracted (the launcher's log holds its jobs' output)."""
+    return sum(int(n) for n in RETRACTED.findall(log_path.read_text(errors="replace")))
+
+
 def tally(stack: Stack, plan: Plan, load: Load, kills: list[Kill]) -> dict[str, object]:
     """Everything the run must account for, from Redis and the trainer's durable state."""
     r = stack.redis
@@ -466,6 +474,7 @@ def tally(stack: Stack, plan: Plan, load: Load, kills: list[Kill]) -> dict[str, 
         "samples_without_turn": sorted(set(sample_ids) - set(turn_ids)),
         "trainable": len(trainable),
         "masked": dict(masked),
+        "retracted": retracted(stack.services["launcher"].log_path),
         "trained": state["samples_trained"],
         "trained_distinct": len(trained),
         "trained_twice": state["samples_trained"] - len(trained),
@@ -496,6 +505,14 @@ def problems(t: dict[str, object], plan: Plan) -> list[str]:
                 "waiting_not_pending", "dead_letters"):  # fmt: skip
         if t[key]:
             found.append(f"{key}: {t[key][:5]}")
+    # A turn is masked as mixed-policy only when a sync really retracted its generation (no
+    # engine restarts here, so none served weights of no known version).
+    off_policy = sum(
+        t["masked"].get(f"MASK_REASON_{r}", 0) for r in ("MIXED_POLICY", "UNKNOWN_VERSION")
+    )
+    if off_policy > t["retracted"]:
+        found.append(f"{off_policy} turns masked as mixed-policy or unknown-version, "
+                     f"{t['retracted']} generations retracted: {t['masked']}")  # fmt: skip
     for key in ("duplicate_samples", "trained_twice"):
         if t[key]:
             found.append(f"{key}: {t[key]}")
