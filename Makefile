@@ -58,6 +58,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_engine_cache.py
 	$(PY) tests/bench/bench_agent_session.py
 	$(PY) tests/bench/bench_gateway.py
+	$(PY) tests/bench/bench_gateway_apis.py
 	$(PY) tests/bench/bench_judge.py
 	$(PY) tests/bench/bench_trainer.py
 	$(PY) tests/bench/bench_megatron.py
