@@ -21,6 +21,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from clawrl.common.shards import Shards
+
 DEFAULT_CONFIG_FILE = "clawrl.toml"
 
 
@@ -100,6 +102,22 @@ class RedisSettings(Section):
         1_000_000, gt=0, description="Approximate cap on stream length (XADD MAXLEN ~)."
     )
     socket_timeout_s: float = Field(2.0, gt=0, description="Timeout of one Redis call.")
+    cluster: bool = Field(
+        False,
+        description="`url` is a node of a Redis Cluster (any one: the others are discovered). "
+        "Keys then carry shard hash tags, so every script stays in one slot.",
+    )
+    stream_shards: int = Field(
+        1,
+        ge=1,
+        description="Shards of the turn and sample streams (and of the session and judge state "
+        "beside them), one hash slot each, spread evenly over the slots: a multiple of the "
+        "cluster's primaries spreads the load over all of them. With 1 on one Redis, key names "
+        "are the configured ones unchanged; otherwise `clawrl:turns:{s0}`.. (common/shards.py).",
+    )
+
+    def shards(self) -> Shards:
+        return Shards(self.stream_shards, self.cluster)
 
 
 class LoggingSettings(Section):

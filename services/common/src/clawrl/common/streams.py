@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clawrl.common.records import Sample, Turn, encode_entry
+from clawrl.common.shards import Shards
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,12 @@ class Entry:
     def record_id(self) -> str:
         """The record's stable id (a turn's or a sample's id), "" when the entry has none."""
         return _text(self.fields.get(b"id", b""))
+
+    @property
+    def added_s(self) -> float:
+        """When the entry was added (its stream id's milliseconds; a ShardedConsumer's ids
+        carry the shard in front)."""
+        return int(self.entry_id.rpartition("/")[2].partition("-")[0]) / 1000.0
 
 
 class GroupConsumer:
@@ -83,10 +91,11 @@ class GroupConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, count: int, block_ms: int = 1000) -> list[Entry]:
+    async def read(self, count: int, block_ms: int | None = 1000) -> list[Entry]:
         """Up to `count` entries: first those idle past `claim_idle_ms` that this consumer does
         not hold (a dead consumer's, or released ones), then new ones (blocking up to `block_ms`
-        when there are none). The caller holds them until it acks, dead-letters or releases."""
+        when there are none; None: not at all). The caller holds them until it acks,
+        dead-letters or releases."""
         entries = await self.claim(count)
         if len(entries) < count:
             reply = await self.redis.xreadgroup(
@@ -216,6 +225,99 @@ class GroupConsumer:
                 lag = group.get("lag")
                 return int(lag) if lag is not None else 0
         return 0
+
+
+class ShardedConsumer:
+    """One consumer of a group over every shard of a stream (common/shards.py), with
+    GroupConsumer's interface: one GroupConsumer per shard underneath. The entry ids it hands
+    out are `{shard}/{stream id}` (two shards' streams may both hold `1700000000000-0`), and
+    `ack`, `release` and `dead_letter` take them back to their shard. A read takes what the
+    shards have at once, starting one shard further each time so that none starves, and only
+    when none has anything blocks on one shard after the other (`block_ms` split between them).
+    """
+
+    def __init__(self, shards: list[GroupConsumer], *, stream: str) -> None:
+        if not shards:
+            raise ValueError("a ShardedConsumer needs at least one shard")
+        self.shards = shards
+        self.redis = shards[0].redis
+        self.stream = stream  # the unsharded name, for keys of the consumer's own
+        self.group = shards[0].group
+        self.consumer = shards[0].consumer
+        self.max_deliveries = shards[0].max_deliveries
+        self._next = 0
+
+    def _split(self, entry_id: str) -> tuple[GroupConsumer, str]:
+        shard, _, raw = entry_id.partition("/")
+        return self.shards[int(shard)], raw
+
+    @staticmethod
+    def _qualified(shard: int, entries: list[Entry]) -> list[Entry]:
+        return [Entry(f"{shard}/{e.entry_id}", e.fields, e.deliveries) for e in entries]
+
+    async def ensure_group(self) -> None:
+        for shard in self.shards:
+            await shard.ensure_group()
+
+    async def read(self, count: int, block_ms: int | None = 1000) -> list[Entry]:
+        entries: list[Entry] = []
+        order = [(self._next + i) % len(self.shards) for i in range(len(self.shards))]
+        self._next = (self._next + 1) % len(self.shards)
+        for index in order:
+            if len(entries) < count:
+                got = await self.shards[index].read(count - len(entries), block_ms=None)
+                entries += self._qualified(index, got)
+        if entries or not block_ms:
+            return entries
+        wait = max(1, block_ms // len(self.shards))
+        for index in order:
+            got = await self.shards[index].read(count, block_ms=wait)
+            if got:
+                return self._qualified(index, got)
+        return []
+
+    async def read_own_pending(self, count: int) -> list[Entry]:
+        entries: list[Entry] = []
+        for index, shard in enumerate(self.shards):
+            if len(entries) < count:
+                own = await shard.read_own_pending(count - len(entries))
+                entries += self._qualified(index, own)
+        return entries
+
+    def release(self, *entry_ids: str) -> None:
+        for entry_id in entry_ids:
+            shard, raw = self._split(entry_id)
+            shard.release(raw)
+
+    async def ack(self, *entry_ids: str) -> None:
+        by_shard: dict[int, list[str]] = {}
+        for entry_id in entry_ids:
+            shard, _, raw = entry_id.partition("/")
+            by_shard.setdefault(int(shard), []).append(raw)
+        for index, raws in by_shard.items():
+            await self.shards[index].ack(*raws)
+
+    async def dead_letter(self, entry: Entry, reason: str) -> None:
+        shard, raw = self._split(entry.entry_id)
+        await shard.dead_letter(Entry(raw, entry.fields, entry.deliveries), reason)
+
+    async def lag(self) -> int:
+        return sum([await shard.lag() for shard in self.shards])
+
+
+def consumer_over(
+    redis: Redis, shards: Shards, *, stream: str, deadletter_stream: str, **options: Any
+) -> GroupConsumer | ShardedConsumer:
+    """A consumer of `stream` (its configured name) as `shards` lay it out: a GroupConsumer on
+    an unsharded store, else a ShardedConsumer (each shard dead-letters into its own shard of
+    `deadletter_stream`, in the same MULTI as its XACK). `options`: GroupConsumer's."""
+    if not shards.tagged:
+        return GroupConsumer(redis, stream=stream, deadletter_stream=deadletter_stream, **options)
+    consumers = [
+        GroupConsumer(redis, stream=name, deadletter_stream=dead, **options)
+        for name, dead in zip(shards.names(stream), shards.names(deadletter_stream), strict=True)
+    ]
+    return ShardedConsumer(consumers, stream=stream)
 
 
 async def trim_acknowledged(

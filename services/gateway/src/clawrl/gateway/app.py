@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
@@ -303,8 +304,8 @@ async def engine_policy_version(engine: SGLangClient) -> int | None:
 
 def create_redis(settings: GatewaySettings) -> Redis:
     # One quick retry at most: with Redis down, recording must fail fast, not stall serving.
-    return Redis.from_url(
-        settings.redis.url,
+    return redis_client.connect(
+        settings.redis,
         socket_timeout=settings.redis.socket_timeout_s,
         socket_connect_timeout=settings.redis.socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
@@ -351,6 +352,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             redis,
             prefix=settings.sessions.key_prefix,
             stream=settings.redis.turns_stream,
+            shards=settings.redis.shards(),
             maxlen=settings.redis.stream_maxlen,
             ttl_s=settings.sessions.ttl_s,
             dedupe_ttl_s=settings.sessions.dedupe_ttl_s,

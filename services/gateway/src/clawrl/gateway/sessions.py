@@ -1,6 +1,8 @@
 """Session state in Redis, shared by every replica. The scripts live in `lua/*.lua`.
 
-Keys (prefix `clawrl:gw` by default):
+Keys (prefix `{p}` = `clawrl:gw` by default; sharded, each shard's prefix: `clawrl:gw:{s0}`,
+see common/shards.py; a session's keys are in the shard of its id, its turns go to that shard's
+turn stream):
 - `{p}:s:{session_id}` hash, TTL refreshed on each request: `next` (index of the session's next
   main turn), `epoch` (made with the state, from its first request's id: turn ids are
   `{session_id}:{epoch}:{index}`, so a session id whose state expired and that comes back gets
@@ -10,10 +12,14 @@ Keys (prefix `clawrl:gw` by default):
   ends, assistant reply included), `at` (when it was stored).
 - `{p}:active` sorted set: session id -> time of last request; every replica sweeps it for
   sessions idle past the timeout.
+- `{p}:pending-hist` hash: session id -> `hist` of its pending turn (the claim check of
+  another session reads it here: a script touches only keys it is given).
 - `{p}:c:{scope}:{history_hash}` -> session id: the conversation of one caller (`scope`, a hash
   of its API key and `user`) that ended with that assistant reply, so a client that sends no
-  session id is recognised on its next request; `*` when two live sessions of the caller ended
-  the same history (identical openings under greedy decoding): then nobody is guessed.
+  session id is recognised on its next request (looked up in every shard before the record
+  script, `SessionStore.resolve`: two shards naming different sessions is ambiguous too);
+  `*` when two live sessions of the caller ended the same history (identical openings under
+  greedy decoding): then nobody is guessed.
 - `{p}:r:{request_id}:{step}` -> a script's result, kept a few minutes: a retried script is a
   no-op that returns it.
 - `{p}:fb:{request_id}` -> `{turn_id}\n{scope}` of a recorded main turn, kept the feedback TTL:
@@ -29,7 +35,8 @@ replays its first result instead of running twice. Finalisation fields are appen
 stored protobuf bytes: protobuf parsing merges concatenated messages (last value wins for
 singular fields, repeated ones concatenate), so the scripts need no protobuf library.
 
-Redis Cluster is not supported (the scripts touch keys in different hash slots).
+Redis Cluster: every key a script touches is passed in KEYS and is in the session's shard (one
+hash slot), so the scripts run unchanged on a cluster.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import orjson
 from redis.asyncio import Redis
 
 from clawrl.common.records import Turn
+from clawrl.common.shards import Shards
 
 TURN_TYPE = Turn.DESCRIPTOR.full_name
 SCRIPTS = ("record", "finalize")
@@ -162,28 +170,70 @@ class SessionStore:
         ttl_s: int,
         dedupe_ttl_s: int = 120,
         feedback_ttl_s: int = 0,
+        shards: Shards | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.stream = stream
+        shards = shards or Shards()
+        self.shards = shards
+        self.prefixes = shards.names(prefix)  # each shard's key prefix
+        self.streams = shards.names(stream)  # each shard's turn stream
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.dedupe_ttl_s = dedupe_ttl_s
         self.feedback_ttl_s = feedback_ttl_s  # 0: no feedback index
-        self.active_key = f"{prefix}:active"
+        self.active_keys = [f"{p}:active" for p in self.prefixes]
+        self.active_key = self.active_keys[0]
         self._scripts = {name: redis.register_script(load_script(name)) for name in SCRIPTS}
 
     def session_key(self, session_id: str) -> str:
-        return f"{self.prefix}:s:{session_id}"
+        return f"{self.prefixes[self.shards.of(session_id)]}:s:{session_id}"
 
-    def conversation_key(self, scope: str, history_hash: str) -> str:
-        return f"{self.prefix}:c:{scope}:{history_hash}"
+    def conversation_key(self, scope: str, history_hash: str, shard: int = 0) -> str:
+        return f"{self.prefixes[shard]}:c:{scope}:{history_hash}"
 
-    def feedback_index_key(self, request_id: str) -> str:
-        return f"{self.prefix}:fb:{request_id}"
+    def feedback_index_key(self, request_id: str, shard: int = 0) -> str:
+        return f"{self.prefixes[shard]}:fb:{request_id}"
 
-    def _keys(self, request_id: str, step: str) -> list[str]:
-        return [self.active_key, self.stream, f"{self.prefix}:r:{request_id}:{step}"]
+    def request_key(self, request_id: str, step: str, shard: int) -> str:
+        return f"{self.prefixes[shard]}:r:{request_id}:{step}"
+
+    def _keys(self, request_id: str, step: str, session_id: str) -> list[str]:
+        """The keys both scripts touch, all in the session's shard (common.lua)."""
+        shard = self.shards.of(session_id)
+        return [
+            self.active_keys[shard],
+            self.streams[shard],
+            self.request_key(request_id, step, shard),
+            self.feedback_index_key(request_id, shard),
+            self.session_key(session_id),
+            f"{self.prefixes[shard]}:pending-hist",
+        ]
+
+    async def resolve(
+        self, request_id: str, scope: str, prefixes: Sequence[str]
+    ) -> tuple[str | None, bool]:
+        """The session of an anonymous request: (session id, ambiguous). The session whose
+        reply ends the longest of `prefixes` in the caller's conversations; (None, True) when
+        two live sessions claim that history (nobody is guessed: a new session starts), (None,
+        False) when none does. A request already recorded (a retried call) gets the session it
+        was recorded in. One MGET per shard: a claim lives in its session's shard."""
+        replies = []
+        for shard in range(self.shards.count):
+            keys = [self.request_key(request_id, "record", shard)]
+            keys += [self.conversation_key(scope, h, shard) for h in prefixes]
+            replies.append(await self.redis.mget(keys))
+        for earlier, *_ in replies:
+            if earlier is not None:
+                return orjson.loads(earlier)[0], False
+        for i in range(len(prefixes)):
+            owners = {_text(reply[i + 1]) for reply in replies if reply[i + 1] is not None}
+            if "*" in owners or len(owners) > 1:
+                return None, True
+            if owners:
+                return owners.pop(), False
+        return None, False
 
     async def record(
         self,
@@ -202,18 +252,26 @@ class SessionStore:
         done: bytes = b"",
         now: float | None = None,
     ) -> Recorded:
-        """One main request in one round trip: resolve its session (by `prefixes` when it sent
-        none: `new_session_id` when no live conversation of the caller matches), finalise the
+        """One main request: resolve its session (by `prefixes` when it sent none, one round
+        trip more: `new_session_id` when no live conversation of the caller matches), finalise the
         turn pending there (with `next_state`, or as superseded when it was stored after
         `arrived`), then store `turn` (none: the request failed) as pending, or publish it with
         `done` appended. A failed request with `done` closes its session. `now`: when the call
         was made (a call replayed from the spool keeps its time, so the pending turn it stores
         still precedes the next request's `arrived`)."""
+        owner, ambiguous = None, False
+        if not session_id and prefixes:
+            owner, ambiguous = await self.resolve(request_id, scope, prefixes)
+        session_id = session_id or owner or new_session_id
+        shard = self.shards.of(session_id)
         sid, tid, mismatched, ambiguous, turn_id, old, claim = await self._scripts["record"](
-            keys=[*self._keys(request_id, "record"), self.feedback_index_key(request_id)],
+            keys=[
+                *self._keys(request_id, "record", session_id),
+                self.conversation_key(scope, history_hash, shard),
+            ],
             args=[
-                self.prefix,
-                session_id or "",
+                int(ambiguous),
+                session_id,
                 scope,
                 time.time() if now is None else now,
                 self.ttl_s,
@@ -221,7 +279,7 @@ class SessionStore:
                 " ".join(prefixes),
                 next_state,
                 mismatch,
-                new_session_id,
+                "",
                 self.dedupe_ttl_s,
                 arrived,
                 superseded,
@@ -248,9 +306,9 @@ class SessionStore:
         """Publish the session's pending turn with `extra` appended; its turn id, or None when
         there was none (or, with a cutoff, the session was touched after it)."""
         tid = await self._scripts["finalize"](
-            keys=self._keys(request_id, "finalize"),
+            keys=self._keys(request_id, "finalize", session_id),
             args=[
-                self.prefix,
+                "",
                 session_id,
                 self.maxlen,
                 extra,
@@ -261,11 +319,16 @@ class SessionStore:
         return _text(tid) or None
 
     async def idle_sessions(self, cutoff: float, limit: int) -> list[str]:
-        found = await self.redis.zrangebyscore(self.active_key, "-inf", cutoff, 0, limit)
-        return [_text(s) for s in found]
+        """Up to `limit` sessions last active at or before `cutoff`, from every shard."""
+        found: list[str] = []
+        for key in self.active_keys:
+            if len(found) < limit:
+                ids = await self.redis.zrangebyscore(key, "-inf", cutoff, 0, limit - len(found))
+                found += [_text(s) for s in ids]
+        return found
 
     async def active_count(self) -> int:
-        return int(await self.redis.zcard(self.active_key))
+        return sum([int(await self.redis.zcard(key)) for key in self.active_keys])
 
 
 def _text(value: Any) -> str:

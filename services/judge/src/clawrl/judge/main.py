@@ -77,7 +77,11 @@ async def serve(settings: JudgeSettings) -> None:
 async def run_export(settings: JudgeSettings, out: IO[bytes], since: str) -> int:
     redis = create_redis(settings)
     try:
-        return await export(redis, settings.audit.stream, out, since)
+        # Shard by shard when the store is sharded (each shard's trail in its own order).
+        total = 0
+        for stream in settings.redis.shards().names(settings.audit.stream):
+            total += await export(redis, stream, out, since)
+        return total
     finally:
         await redis.aclose()
 

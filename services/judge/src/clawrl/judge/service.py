@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.sglang_client import SGLangClient
@@ -61,8 +63,8 @@ class JudgeService:
 def create_redis(settings: JudgeSettings) -> Redis:
     # A blocking XREADGROUP must not outlast the socket timeout.
     timeout = max(settings.redis.socket_timeout_s, settings.workers.block_ms / 1000 + 2)
-    return Redis.from_url(
-        settings.redis.url,
+    return redis_client.connect(
+        settings.redis,
         socket_timeout=timeout,
         socket_connect_timeout=settings.redis.socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
@@ -127,39 +129,51 @@ def build_judge(
 
 
 def build_store(
-    settings: JudgeSettings, redis: Redis, metrics: JudgeMetrics | None = None
+    settings: JudgeSettings, redis: Redis, metrics: JudgeMetrics | None = None, shard: int = 0
 ) -> JudgeStore:
+    """The store of one shard (common/shards.py): its turn, sample and audit streams, and the
+    done markers, session states and feedback of its turns, all in its hash slot."""
     w, r = settings.workers, settings.redis
+    shards = r.shards()
+    feedback = settings.feedback
     return JudgeStore(
         redis,
         StoreConfig(
-            prefix=w.key_prefix,
-            turns_stream=r.turns_stream,
-            samples_stream=r.samples_stream,
-            audit_stream=settings.audit.stream,
+            prefix=shards.name(w.key_prefix, shard),
+            turns_stream=shards.name(r.turns_stream, shard),
+            samples_stream=shards.name(r.samples_stream, shard),
+            audit_stream=shards.name(settings.audit.stream, shard),
             group=w.group,
             samples_maxlen=r.stream_maxlen,
             audit_maxlen=settings.retention.audit_maxlen,
             done_ttl_s=w.done_ttl_s,
             session_ttl_s=w.session_ttl_s,
-            feedback_prefix=settings.feedback.key_prefix if settings.feedback.enabled else None,
+            feedback_prefix=shards.name(feedback.key_prefix, shard) if feedback.enabled else None,
         ),
         metrics,
     )
 
 
 def build_workers(
-    settings: JudgeSettings, redis: Redis, store: JudgeStore, judge: Judge, metrics: JudgeMetrics
+    settings: JudgeSettings,
+    redis: Redis,
+    stores: list[JudgeStore],
+    judge: Judge,
+    metrics: JudgeMetrics,
 ) -> list[Worker]:
-    w = settings.workers
+    """`workers.workers` workers per shard (`stores[k]` is shard k's), each reading its shard's
+    turn stream; consumer names carry the shard when there are several."""
+    w, shards = settings.workers, settings.redis.shards()
     workers = []
-    for i in range(w.workers):
+    for shard, i in itertools.product(range(shards.count), range(w.workers)):
+        name = w.consumer if w.workers == 1 else f"{w.consumer}-{i}"
+        store = stores[shard]
         consumer = JudgeConsumer(
             redis,
-            stream=settings.redis.turns_stream,
+            stream=store.config.turns_stream,
             group=w.group,
-            consumer=w.consumer if w.workers == 1 else f"{w.consumer}-{i}",
-            deadletter_stream=settings.redis.deadletter_stream,
+            consumer=name if shards.count == 1 else f"{name}-s{shard}",
+            deadletter_stream=shards.name(settings.redis.deadletter_stream, shard),
             max_deliveries=w.max_deliveries,
             claim_idle_ms=w.claim_idle_ms,
             metrics=metrics,
@@ -224,21 +238,22 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
     if judge.teacher is not None:
         await refuse_another_tokenizer(settings, judge, engine)
     redis = create_redis(settings)
-    store = build_store(settings, redis, metrics)
+    stores = [build_store(settings, redis, metrics, k) for k in range(settings.redis.stream_shards)]
     warn_feedback_mismatch(settings)
-    workers = build_workers(settings, redis, store, judge, metrics)
-    service = JudgeService(settings, judge, metrics, redis, store, engine, workers)
+    workers = build_workers(settings, redis, stores, judge, metrics)
+    service = JudgeService(settings, judge, metrics, redis, stores[0], engine, workers)
     tasks = [asyncio.create_task(w.run(service.stop), name=f"judge-worker-{i}")
              for i, w in enumerate(workers)]  # fmt: skip
     # Samples too: the trainers' group decides what is acknowledged (nothing is trimmed
     # before a group exists); the XADD cap is only a backstop.
-    retention_streams = {
-        "turns": settings.redis.turns_stream,
-        "samples": settings.redis.samples_stream,
+    retention_streams: dict[str, str | Sequence[str]] = {
+        "turns": [store.config.turns_stream for store in stores],
+        "samples": [store.config.samples_stream for store in stores],
     }
+    shard_consumers = [workers[k * settings.workers.workers].consumer for k in range(len(stores))]
     tasks.append(asyncio.create_task(housekeeping(
-        redis, workers[0].consumer, retention_streams, metrics, settings.retention, service.stop,
-        audit_stream=settings.audit.stream,
+        redis, shard_consumers, retention_streams, metrics, settings.retention, service.stop,
+        audit_stream=[store.config.audit_stream for store in stores],
     )))  # fmt: skip
     grpc_server = http_runner = None
     try:

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from clawrl.common.feedback import feedback_key, judged_marker
 from clawrl.common.records import encode_entry
+from clawrl.common.redis_client import run_script
 from clawrl.common.redis_text import text
 from clawrl.judge.core import Judgement, promote
 from clawrl.judge.feedback import TurnFeedback, read_feedback
@@ -162,15 +163,13 @@ class JudgeStore:
         return keys, args
 
     async def commit(self, items: list[tuple[str, Judgement]]) -> list[str]:
-        """Commit `(entry_id, judgement)` pairs in one pipeline; each outcome is 'published',
+        """Commit `(entry_id, judgement)` pairs in one pipeline (on a cluster: concurrently, the
+        order of two turns of one session then open; each is atomic); each outcome is 'published',
         'promoted' or 'duplicate'."""
         if not items:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for entry_id, judgement in items:
-                keys, args = self._args(entry_id, judgement)
-                await self._commit(keys=keys, args=args, client=pipe)
-            results = await pipe.execute()
+        calls = [self._args(entry_id, judgement) for entry_id, judgement in items]
+        results = await run_script(self.redis, self._commit, calls)
         outcomes = []
         for (_, judgement), result in zip(items, results, strict=True):
             if isinstance(result, list):

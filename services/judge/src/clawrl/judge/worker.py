@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -305,38 +306,51 @@ def age_floor(now_s: float, keep_s: float) -> str:
     return f"{max(0, int((now_s - keep_s) * 1000))}-0"
 
 
+def _listed(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 async def housekeeping(
     redis: Redis,
-    consumer: GroupConsumer,
-    streams: dict[str, str],
+    consumer: GroupConsumer | Sequence[GroupConsumer],
+    streams: dict[str, str | Sequence[str]],
     metrics: JudgeMetrics,
     settings: RetentionSettings,
     stop: asyncio.Event,
-    audit_stream: str | None = None,
+    audit_stream: str | Sequence[str] | None = None,
 ) -> None:
     """Every `interval_s`: trim what every consumer group acknowledged from `streams`
-    (`{label: stream}`), keeping the last `keep_s` seconds, trim audit records older than
-    `audit_keep_s`, and refresh the lag and Redis memory gauges."""
+    (`{label: stream or its shards}`), keeping the last `keep_s` seconds, trim audit records
+    older than `audit_keep_s`, and refresh the lag and Redis memory gauges (lag and pending
+    summed over `consumer`, one per shard)."""
+    consumers = [consumer] if isinstance(consumer, GroupConsumer) else list(consumer)
     while not stop.is_set():
         try:
             now = time.time()
             floor = age_floor(now, settings.keep_s)
-            for label, stream in streams.items():
-                removed = await trim_acknowledged(redis, stream, keep_min_id=floor)
-                metrics.trimmed.labels(label).inc(removed)
-            if audit_stream is not None:
+            for label, names in streams.items():
+                for stream in _listed(names):
+                    removed = await trim_acknowledged(redis, stream, keep_min_id=floor)
+                    metrics.trimmed.labels(label).inc(removed)
+            for audit in _listed(audit_stream):
                 # Nobody consumes the audit stream as a group: age alone decides. Exact, not
                 # approximate: each pass removes only what aged out since the last one.
                 removed = await redis.xtrim(
-                    audit_stream, minid=age_floor(now, settings.audit_keep_s), approximate=False
+                    audit, minid=age_floor(now, settings.audit_keep_s), approximate=False
                 )
                 metrics.trimmed.labels("audit").inc(int(removed))
             memory = await redis.info("memory")
             metrics.redis_used_memory.set(int(memory.get("used_memory", 0)))
             metrics.redis_max_memory.set(int(memory.get("maxmemory", 0)))
-            metrics.lag.set(await consumer.lag())
-            summary = await redis.xpending(consumer.stream, consumer.group)
-            metrics.pending.set(int(summary["pending"]))
+            lag = pending = 0
+            for each in consumers:
+                lag += await each.lag()
+                summary = await redis.xpending(each.stream, each.group)
+                pending += int(summary["pending"])
+            metrics.lag.set(lag)
+            metrics.pending.set(pending)
         except REDIS_ERRORS as exc:
             log.warning("housekeeping failed: %s", exc)
         await _sleep_or_stop(stop, settings.interval_s)

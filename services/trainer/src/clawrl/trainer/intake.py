@@ -87,7 +87,7 @@ class Held:
     @property
     def xadd_time_s(self) -> float:
         """When the entry was added (its id's millisecond part)."""
-        return int(self.entry.entry_id.partition("-")[0]) / 1000.0
+        return self.entry.added_s
 
 
 @dataclass

@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from prometheus_client import start_http_server
 from redis.asyncio import Redis
 
+from clawrl.common import redis_client
 from clawrl.common.models import context_length, resolve_model_dir
-from clawrl.common.streams import GroupConsumer
+from clawrl.common.streams import GroupConsumer, ShardedConsumer, consumer_over
 from clawrl.trainer.checkpoints import CheckpointStore
 from clawrl.trainer.driver import BackendHandle, connect, start_backend
 from clawrl.trainer.intake import Intake
@@ -32,10 +33,12 @@ log = logging.getLogger(__name__)
 BackgroundTask = Callable[[TrainerSettings, Redis, asyncio.Event], Awaitable[None]]
 
 
-def make_consumer(settings: TrainerSettings, redis: Redis) -> GroupConsumer:
+def make_consumer(settings: TrainerSettings, redis: Redis) -> GroupConsumer | ShardedConsumer:
+    """The trainer's consumer of the samples stream: of every shard, when it is sharded."""
     c = settings.consumer
-    return GroupConsumer(
+    return consumer_over(
         redis,
+        settings.redis.shards(),
         stream=settings.redis.samples_stream,
         group=c.group,
         consumer=c.name,
@@ -84,7 +87,7 @@ async def serve(
     connect(settings.ray)
     # Reads block up to block_ms: the socket must wait longer than that.
     timeout_s = settings.redis.socket_timeout_s + settings.consumer.block_ms / 1000
-    redis = Redis.from_url(settings.redis.url, socket_timeout=timeout_s)
+    redis = redis_client.connect(settings.redis, socket_timeout=timeout_s)
     tasks: list[asyncio.Task] = []
     try:
         backend = start_backend(settings)

@@ -1,15 +1,8 @@
--- Shared by every session script (prepended to each). Keys other than KEYS[] are derived from
--- ARGV[1], the key prefix: the scripts need a session and conversation keys that are only known
--- inside them, so Redis Cluster is not supported.
-local prefix = ARGV[1]
-
-local function session_key(session_id)
-  return prefix .. ':s:' .. session_id
-end
-
-local function conversation_key(scope, history_hash)
-  return prefix .. ':c:' .. scope .. ':' .. history_hash
-end
+-- Shared by every session script (prepended to each). Every key a script touches is in KEYS,
+-- and all of them are in one shard (one hash slot under Redis Cluster; see sessions.py):
+-- KEYS[1] the shard's active set, KEYS[2] its turn stream, KEYS[3] the request key,
+-- KEYS[5] the session's state, KEYS[6] the shard's pending-history index (session id -> hash
+-- of the history its pending turn ends, for the claims of other sessions).
 
 -- protobuf varint, to encode turn_index (only known in here) in the stored Turn bytes.
 local function varint(n)
@@ -39,7 +32,8 @@ local function remember(result, ttl)
 end
 
 -- Finalise the session's pending turn (if any) with `extra` appended; its turn id or ''.
-local function finalize_pending(skey, stream, maxlen, extra)
+local function finalize_pending(sid, skey, stream, maxlen, extra)
+  redis.call('HDEL', KEYS[6], sid)
   local turn = redis.call('HGET', skey, 'turn')
   if not turn then return '' end
   local tid = redis.call('HGET', skey, 'tid')

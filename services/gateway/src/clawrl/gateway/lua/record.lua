@@ -1,14 +1,16 @@
--- A main request, once served (or failed): resolve its session, finalise the turn pending there
--- with this request's next state, and store the request's own turn as the session's pending one
--- (or publish it at once when the session is done). One script, so recording a request costs one
--- Redis round trip.
+-- A main request, once served (or failed): finalise the turn pending in its session with this
+-- request's next state, and store the request's own turn as the session's pending one (or
+-- publish it at once when the session is done). An anonymous request's session was resolved
+-- before (SessionStore.resolve), as the session's keys must be known to be passed in KEYS.
 -- A turn stored after this request arrived is a concurrent sibling, not the turn this request
 -- answers: it is finalised as superseded, never given this request's next state.
--- KEYS: active, stream, request key.
--- ARGV: 1 prefix, 2 session_id ('' = anonymous), 3 scope, 4 now, 5 ttl, 6 maxlen,
+-- KEYS: 1 active, 2 stream, 3 request key, 4 (below), 5 session state, 6 pending-history
+--       index, 7 the caller's conversation key of history hash ARGV[15].
+-- ARGV: 1 ambiguous (0/1: the resolution found a history claimed by two live sessions),
+--       2 session_id, 3 scope, 4 now, 5 ttl, 6 maxlen,
 --       7 prefixes (space-separated history hashes ending at an assistant reply, longest first),
---       8 next-state extra, 9 mismatch extra, 10 new session id (for an anonymous request
---       nobody claims), 11 dedupe ttl, 12 arrival time of the request, 13 superseded extra,
+--       8 next-state extra, 9 mismatch extra, 10 (unused), 11 dedupe ttl,
+--       12 arrival time of the request, 13 superseded extra,
 --       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
 --       reply), 16 done extra ('' = keep the turn pending), 17 epoch for a session state this
 --       request creates, 18 feedback index TTL (0 = feedback off).
@@ -18,32 +20,21 @@
 local earlier = replayed()
 if earlier then return earlier end
 local sid = ARGV[2]
-local result = {sid, '', 0, 0, '', '', 0}
-if sid == '' then
-  -- The caller's conversation that ends with the longest recorded reply in this history. Two
-  -- live sessions claiming one history ('*') are not guessed between: a new session starts.
-  for h in string.gmatch(ARGV[7], '%S+') do
-    local owner = redis.call('GET', conversation_key(ARGV[3], h))
-    if owner == '*' then result[4] = 1; break end
-    if owner then sid = owner; break end
-  end
-  if sid == '' then sid = ARGV[10] end
-  result[1] = sid
-end
-local skey = session_key(sid)
+local result = {sid, '', 0, tonumber(ARGV[1]), '', '', 0}
+local skey = KEYS[5]
 
 local hist = redis.call('HGET', skey, 'hist')
 if hist then
   local at = tonumber(redis.call('HGET', skey, 'at') or '0')
   if at > tonumber(ARGV[12]) then
-    result[6] = finalize_pending(skey, KEYS[2], ARGV[6], ARGV[13])
+    result[6] = finalize_pending(sid, skey, KEYS[2], ARGV[6], ARGV[13])
   else
     local extra = ARGV[8] .. ARGV[9]
     result[3] = 1
     for h in string.gmatch(ARGV[7], '%S+') do
       if h == hist then extra = ARGV[8]; result[3] = 0; break end
     end
-    result[2] = finalize_pending(skey, KEYS[2], ARGV[6], extra)
+    result[2] = finalize_pending(sid, skey, KEYS[2], ARGV[6], extra)
   end
 end
 
@@ -80,15 +71,17 @@ if ARGV[16] ~= '' then
   redis.call('ZREM', KEYS[1], sid)
 else
   redis.call('HSET', skey, 'turn', turn, 'tid', tid, 'hist', ARGV[15], 'at', ARGV[4])
+  redis.call('HSET', KEYS[6], sid, ARGV[15])
   redis.call('ZADD', KEYS[1], ARGV[4], sid)
   -- Claim the history for the caller's anonymous follow-ups. Another session of the same
-  -- caller whose pending turn ends the same history makes it ambiguous.
-  local ckey = conversation_key(ARGV[3], ARGV[15])
+  -- caller whose pending turn ends the same history makes it ambiguous (a claim is written
+  -- in its session's shard, so the owner's entry is in this shard's index).
+  local ckey = KEYS[7]
   local owner = redis.call('GET', ckey)
   local claim = sid
   if owner == '*' then
     claim = '*'
-  elseif owner and owner ~= sid and redis.call('HGET', session_key(owner), 'hist') == ARGV[15] then
+  elseif owner and owner ~= sid and redis.call('HGET', KEYS[6], owner) == ARGV[15] then
     claim = '*'
   end
   if claim == '*' then result[7] = 1 end

@@ -18,8 +18,8 @@ import sys
 import time
 
 from prometheus_client import start_http_server
-from redis.asyncio import Redis
 
+from clawrl.common import redis_client
 from clawrl.common.logs import configure_logging
 from clawrl.common.versions import VersionReady, latest
 from clawrl.trainer.weight_sync.job import sync_version
@@ -79,7 +79,7 @@ def settings_from(args: argparse.Namespace) -> WeightSyncSettings:
 
 
 async def run_once(settings: WeightSyncSettings, args: argparse.Namespace) -> int:
-    redis = Redis.from_url(settings.redis.url, socket_timeout=settings.redis.socket_timeout_s)
+    redis = redis_client.connect(settings.redis, socket_timeout=settings.redis.socket_timeout_s)
     if args.version is None:  # a manual run (the chart's suspended CronJob): the newest version
         ready = await latest(redis, settings.redis.versions_stream)
         if ready is None:
@@ -121,7 +121,7 @@ async def watch(settings: WeightSyncSettings) -> None:
         )
     else:
         launch = LocalLauncher(settings)
-    redis = Redis.from_url(settings.redis.url, socket_timeout=None)
+    redis = redis_client.connect(settings.redis, socket_timeout=None)
     log.info("watching %s for new policy versions (%s syncs)", settings.redis.versions_stream,
              settings.launcher.mode)  # fmt: skip
     task = asyncio.create_task(SyncWatcher(settings, redis, launch, metrics).run_forever())

@@ -1,0 +1,176 @@
+"""clawrl on a real 3-primary Redis Cluster (issue 17, "Scale past one Redis"): the real gateway
+(a `clawrl-gateway` process in front of the instant engine stand-in), the real judge and the
+trainer's own intake, with `[redis] cluster = true` and 3 stream shards. Every served main turn
+reaches the samples exactly once, the shards' keys are spread over all 3 primaries, and an
+anonymous conversation is matched across shards."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from clawrl.common.records import Sample, decode_entry
+from clawrl.common.shards import Shards
+from clawrl.judge.service import build_store, running
+from clawrl.trainer.intake import Intake
+from clawrl.trainer.metrics import TrainerMetrics
+from clawrl.trainer.service import make_consumer
+from clawrl.trainer.settings import TrainerSettings
+from tests.conftest import VENV_BIN, ChildProcess, free_port, wait_until
+from tests.integration.judge.helpers import judge_settings
+from tests.redis_cluster import start_cluster
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[3]
+SHARDS = 3
+BANANA = {"reward_fn": "clawrl.judge.reward_examples:ends_with_word",
+          "reward_fn_args": {"word": "banana"}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(log_dir):
+    cluster = start_cluster(log_dir, primaries=3)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(log_dir, cluster):
+    """(gateway url, turns stream): an instant engine and a gateway on the cluster."""
+    engine_port, port, grpc_port = free_port(), free_port(), free_port()
+    engine = ChildProcess("cluster-engine", [
+        sys.executable, str(REPO / "tests/bench/instant_engine.py"), "--port", str(engine_port),
+    ], log_dir)  # fmt: skip
+    tag = uuid.uuid4().hex[:8]
+    stream = f"c:{tag}:turns"
+    gateway = ChildProcess("cluster-gateway", [
+        str(VENV_BIN / "clawrl-gateway"), "--host", "127.0.0.1", "--port", str(port),
+        "--grpc-port", str(grpc_port), "--engine-url", f"http://127.0.0.1:{engine_port}",
+        "--redis-url", cluster.url,
+    ], log_dir, env={
+        "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
+        "CLAWRL_MODEL__PATH": "smollm2-tiny",
+        "CLAWRL_REDIS__CLUSTER": "true",
+        "CLAWRL_REDIS__STREAM_SHARDS": str(SHARDS),
+        "CLAWRL_REDIS__TURNS_STREAM": stream,
+        "CLAWRL_SESSIONS__KEY_PREFIX": f"c:{tag}:gw",
+        "CLAWRL_SESSIONS__SPOOL_DIR": str(log_dir / f"spool-cluster-{tag}"),
+        "CLAWRL_CONTROL__SERVED_KEY": f"c:{tag}:serving",
+    })  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 300,
+                   gateway.name, gateway.proc)  # fmt: skip
+    except Exception:
+        print(gateway.log_tail(), file=sys.stderr)
+        raise
+    yield url, stream
+    gateway.stop()
+    engine.stop()
+
+
+def sessions_on_every_shard(per_shard: int) -> list[str]:
+    """Session ids, `per_shard` of them hashed to each shard (so every shard gets turns)."""
+    shards, found = Shards(SHARDS, cluster=True), {k: [] for k in range(SHARDS)}
+    while min(len(ids) for ids in found.values()) < per_shard:
+        session_id = f"cl-{uuid.uuid4().hex[:10]}"
+        if len(found[shards.of(session_id)]) < per_shard:
+            found[shards.of(session_id)].append(session_id)
+    return [sid for ids in found.values() for sid in ids]
+
+
+def converse(url: str, turns: int, session_id: str | None) -> list[str]:
+    """A conversation of `turns` main turns (the last closes it when it has an id); the turn
+    ids the gateway answered with."""
+    headers = {"X-Session-Id": session_id} if session_id else {}
+    # An opening of its own: identical histories of one caller are ambiguous, never matched.
+    history = [{"role": "user", "content": f"start {uuid.uuid4().hex}"}]
+    ids = []
+    for i in range(turns):
+        last = i == turns - 1 and session_id is not None
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers={**headers, **({"X-Session-Done": "true"} if last else {})},
+            json={"messages": history, "max_tokens": 4},
+            timeout=30,
+        )
+        assert reply.status_code == 200, reply.text
+        ids.append(reply.headers["x-turn-id"])
+        message = reply.json()["choices"][0]["message"]
+        history = [*history, {"role": "assistant", "content": message["content"]},
+                   {"role": "user", "content": f"more {i}"}]  # fmt: skip
+    return ids
+
+
+async def test_every_turn_reaches_the_samples_once_over_3_primaries(cluster, gateway) -> None:
+    url, stream = gateway
+    named = sessions_on_every_shard(per_shard=3)
+    turn_ids: list[str] = []
+    for session_id in named:
+        turn_ids += await asyncio.to_thread(converse, url, 3, session_id)
+    # An anonymous conversation: its follow-ups are found by history in whichever shard holds
+    # its session; its last turn is finalised by the idle sweep or stays pending (not closed).
+    anonymous = await asyncio.to_thread(converse, url, 3, None)
+    assert len({tid.rsplit(":", 2)[0] for tid in anonymous}) == 1, anonymous
+    expected = set(turn_ids) | set(anonymous[:-1])  # the last anonymous turn is still pending
+
+    settings = judge_settings(cluster.url, judging={"mode": "rl", **BANANA})
+    redis_section = {
+        **settings.redis.model_dump(),
+        "turns_stream": stream,
+        "cluster": True,
+        "stream_shards": SHARDS,
+    }
+    settings = settings.with_overrides({"redis": redis_section})
+    trainer = TrainerSettings(
+        redis=settings.redis.model_dump(), consumer={"name": "t1", "block_ms": 100}
+    )
+    redis = RedisCluster.from_url(cluster.url)
+    try:
+        async with running(settings, serve=False):
+            consumer = make_consumer(trainer, redis)
+            await consumer.ensure_group()
+            intake = Intake(consumer, TrainerMetrics(), batch_size=1, max_staleness=4,
+                            vocab_size=49152, max_length=8192)  # fmt: skip
+            trained: list[str] = []
+            stop = asyncio.Event()
+            async with asyncio.timeout(60):
+                while len(trained) < len(expected):
+                    batch = await intake.next_batch(0, lambda _: False, set(), stop, 100)
+                    assert batch is not None
+                    trained += [held.sample.sample_id for held in batch.held]
+                    await consumer.ack(*[h.entry.entry_id for h in batch.held],
+                                       *batch.ack_with_step)  # fmt: skip
+            # Nothing more arrives: exactly once.
+            extra = await intake.consumer.read(10, block_ms=500)
+        assert extra == []
+        assert sorted(trained) == sorted(expected)
+
+        # Every shard's turns, samples and session state on its own primary, all 3 used.
+        shards = settings.redis.shards()
+        nodes = set()
+        for k, name in enumerate(shards.names(stream)):
+            node = redis.get_node_from_key(name)
+            nodes.add(node.name)
+            assert await redis.xlen(name) > 0, f"shard {k} got no turn"
+            samples = build_store(settings, redis, shard=k).config.samples_stream
+            assert redis.get_node_from_key(samples).name == node.name
+            entries = await redis.xrange(samples)
+            assert entries, f"shard {k} got no sample"
+            for _, fields in entries:
+                sample = decode_entry(fields, Sample)
+                assert shards.of(sample.session_id) == k
+        assert len(nodes) == 3
+        for k in range(SHARDS):
+            config = build_store(settings, redis, shard=k).config
+            assert (await redis.xpending(config.turns_stream, "judges"))["pending"] == 0
+            assert (await redis.xpending(config.samples_stream, "trainers"))["pending"] == 0
+    finally:
+        await redis.aclose()
