@@ -20,7 +20,12 @@ from safetensors.torch import load_file
 from clawrl.common.sglang_client import SGLangClient
 from clawrl.trainer.megatron.nccl_sync import BroadcastSender, Engine
 from tests.conftest import free_port
-from tests.integration.megatron.test_nccl_sync import SESSION_REPLIES, session_replies
+from tests.integration.megatron.test_nccl_sync import (
+    GROUP_REPLIES,
+    SESSION_REPLIES,
+    group_replies,
+    session_replies,
+)
 from tests.sglang.test_weight_sync import changed_model, first_logprobs  # noqa: F401
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
@@ -44,6 +49,11 @@ def sender_for(url: str, name: str) -> BroadcastSender:
 def test_session_replies_are_the_cpu_engines(sglang_url):
     """First in this module: SESSION_REPLIES assume an engine that has joined no group."""
     assert session_replies(sglang_url) == SESSION_REPLIES
+
+
+def test_whole_update_replies_are_the_cpu_engines(sglang_url, model_dir):
+    tensor = load_file(model_dir / "model.safetensors")["model.norm.weight"]
+    assert group_replies(sglang_url, "model.norm.weight", tensor) == GROUP_REPLIES
 
 
 async def test_broadcast_inside_a_session_is_served(sglang_url, changed_model):  # noqa: F811

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
+from clawrl.common.process_groups import destroy_group, join_group
 from clawrl.engine.cpu.runner import read_checkpoint
 from clawrl.trainer.megatron.nccl_sync import BroadcastSender, Engine, make_buckets, rank_offsets
 from tests.conftest import free_port
@@ -165,6 +167,57 @@ def session_replies(url: str) -> list[tuple]:
 
 def test_the_cpu_engine_answers_the_session_calls_as_sglang(engine):  # noqa: F811
     assert session_replies(engine) == SESSION_REPLIES
+
+
+# SGLang 0.5.23's replies (path, status, message) to a whole update of one tensor.
+GROUP_REPLIES = [
+    ("/init_weights_update_group", 200, "Succeeded to initialize custom process group."),
+    ("/begin_weight_update", 200, "Success"),
+    ("/update_weights_from_distributed", 200, "Succeeded to update parameter online."),
+    ("/end_weight_update", 200, "Success"),
+    ("/destroy_weights_update_group", 200, "Succeeded to destroy custom process group."),
+]
+
+
+def group_replies(url: str, name: str, tensor: torch.Tensor) -> list[tuple[str, int, str]]:
+    """GROUP_REPLIES' calls made on `url`, rank 0 broadcasting `tensor` (the served weight
+    `name`, unchanged), with what it answered."""
+    group_name, port = f"replies-{uuid.uuid4().hex[:6]}", free_port()
+    replies = []
+
+    def call(path: str, body: dict) -> None:
+        reply = httpx.post(url + path, json=body, timeout=120)
+        replies.append((path, reply.status_code, reply.json()["message"]))
+
+    with ThreadPoolExecutor(1) as rank0:
+        joined = rank0.submit(join_group, "gloo", "127.0.0.1", port, 0, 2, group_name, 60)
+        call(
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group_name,
+                "backend": "gloo",
+            },
+        )
+        group = joined.result()
+        call("/begin_weight_update", {})
+        sent = rank0.submit(torch.distributed.broadcast, tensor, src=0, group=group)
+        call("/update_weights_from_distributed", {"names": [name], "group_name": group_name,
+             "dtypes": [str(tensor.dtype).removeprefix("torch.")],
+             "shapes": [list(tensor.shape)]})  # fmt: skip
+        sent.result()
+        call("/end_weight_update", {})
+        call("/destroy_weights_update_group", {"group_name": group_name})
+        destroy_group(group)
+    return replies
+
+
+def test_the_cpu_engine_answers_a_whole_update_as_sglang(engine):  # noqa: F811
+    tensor = read_checkpoint(tiny_dir())["model.norm.weight"]
+    assert group_replies(engine, "model.norm.weight", tensor) == GROUP_REPLIES
 
 
 async def test_an_engine_refusing_a_bucket_unreceived_does_not_hold_rank_0(engine):  # noqa: F811

@@ -333,10 +333,10 @@ class CpuEngine:
                 group_name, self.settings.engine.weight_group_timeout_s,
             )  # fmt: skip
         except Exception as exc:  # rendezvous timeout, refused connection
-            return self._update_failed(f"cannot join weight update group {group_name}: {exc}")
+            return self._update_failed(f"Failed to initialize custom process group: {exc}.")
         log.info("joined weight update group %s as rank %d of %d", group_name, rank_offset,
                  world_size)  # fmt: skip
-        return UpdateResult(True, f"Joined weight update group {group_name}.")
+        return UpdateResult(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
@@ -368,17 +368,17 @@ class CpuEngine:
                 # Received before anything is checked: the sender broadcasts regardless.
                 received = await asyncio.to_thread(receive_broadcast, group, dtypes, shapes)
             except Exception as exc:
-                return self._update_failed(f"receiving the broadcast failed: {exc}")
+                return self._update_failed(f"Failed to receive weights: {exc}")
             tensors = dict(zip(names, received, strict=True))
             try:
                 self.runner.check_checkpoint(tensors, partial=True)
             except CheckpointError as exc:
-                return self._update_failed(f"cannot load the broadcast weights: {exc}")
+                return self._update_failed(f"Failed to update parameter online: {exc}")
             num_paused = await self._swap_in(tensors, weight_version)
         if weight_version is not None:
             log.info("weights updated by broadcast (weight_version=%s)", weight_version)
         return UpdateResult(
-            True, f"Succeeded to update {len(names)} tensors.", num_paused_requests=num_paused
+            True, "Succeeded to update parameter online.", num_paused_requests=num_paused
         )
 
     def begin_weight_update(self) -> UpdateResult:
