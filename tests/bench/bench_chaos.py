@@ -31,7 +31,8 @@ def summary(seed: int, t: dict, found: list[str], minutes: float) -> str:
     figures = " ".join(f"{c}={t[c]}" for c in COLUMNS)
     versions = t["versions"]
     return (f"seed {seed}: {figures} dead_letters={len(t['dead_letters'])} "
-            f"dropped={t['dropped'] or 0} versions={versions} "
+            f"dropped={t['dropped'] or 0} masked={t['masked'] or 0} retracted={t['retracted']} "
+            f"versions={versions} "
             f"kills={t['kills']} mid-work={t['kills_mid_work']} "
             f"ray_left={t['trainer_processes_left']} ({minutes:.1f} min): "
             f"{'OK' if not found else 'PROBLEMS: ' + '; '.join(found)}")  # fmt: skip
