@@ -151,3 +151,31 @@ def test_weights_live_in_process_memory_not_on_the_checkpoint_file():
         if any(start <= tensor.data_ptr() < end for start, end in mapped)
     ]
     assert on_file == []
+
+
+@torch.inference_mode()
+def test_prefill_chunks_and_decode_steps_write_into_the_kv_in_place(runner):
+    """No copy of the whole KV per chunk or per step: the layers' keys stay views of one buffer
+    while its room lasts (DynamicLayer concatenated everything again each time), and a batch
+    whose KV another function replaced (merge_kv) gets a new buffer, with the same logits."""
+    prompt = list(range(200, 300))
+    first = runner.extend(None, 0, prompt[:40])
+    storage = [layer.keys.data_ptr() for layer in first.cache.layers]
+    part = runner.extend(first.cache, 40, prompt[40:])
+    assert [layer.keys.data_ptr() for layer in part.cache.layers] == storage
+    whole = runner.extend(None, 0, prompt)
+    assert torch.allclose(part.hidden, whole.hidden[40:], atol=1e-4)
+
+    kv = KvBatch(part.cache, torch.ones(1, len(prompt), dtype=torch.long))
+    runner.decode(kv, torch.tensor([7]))
+    assert [layer.keys.data_ptr() for layer in kv.cache.layers] == storage
+    assert kv.cache.layers[0].keys.shape[-2] == len(prompt) + 1
+
+    other = runner.extend(None, 0, [5, 6, 7])
+    kv = merge_kv(kv, KvBatch(other.cache, torch.ones(1, 3, dtype=torch.long)))
+    logits = runner.decode(kv, torch.tensor([8, 9]))
+    assert torch.allclose(logits[0], alone(runner, prompt, [7, 8]), atol=1e-4)
+    assert torch.allclose(logits[1], alone(runner, [5, 6, 7], [9]), atol=1e-4)
+    merged = [layer.keys.data_ptr() for layer in kv.cache.layers]
+    runner.decode(kv, torch.tensor([10, 11]))
+    assert [layer.keys.data_ptr() for layer in kv.cache.layers] == merged

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from clawrl.common.models import stretch_config
 from clawrl.engine.cpu.adapters import PreparedAdapter
@@ -28,12 +29,80 @@ from clawrl.engine.cpu.sampling import token_logprobs
 PROMPT_LOGPROB_CHUNK = 512
 # peft's name for "no adapter" in a mixed batch.
 BASE = "__base__"
+# Spare room a KV buffer gets when it grows: a quarter of what it holds, at least this many
+# tokens (a prefill chunk's worth, or that many decode steps).
+KV_ROOM_TOKENS = 256
 
 TopLogprobs = list[tuple[float, int]]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot replace the running weights (bad path, names or shapes)."""
+
+
+class RoomyLayer(DynamicLayer):
+    """A cache layer whose keys and values are views of buffers with spare room after them: a
+    prefill chunk or a decode step is written into the room, where transformers' DynamicLayer
+    concatenates the whole KV again (a copy of everything per chunk and per decode step, which
+    made a chunked prefill slower than one forward pass over the same ids). When the room runs
+    out the buffer grows by a quarter. Code that assigns .keys/.values (merge_kv, select_kv)
+    may: the next update then starts a new buffer from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_room: torch.Tensor | None = None
+        self._value_room: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.numel() else 0
+        total = held + key_states.shape[-2]
+        if not (
+            _backed(self.keys, self._key_room, total)
+            and _backed(self.values, self._value_room, total)
+        ):
+            room = total + max(total // 4, KV_ROOM_TOKENS)
+            self._key_room = _regrow(self.keys, key_states, held, room)
+            self._value_room = _regrow(self.values, value_states, held, room)
+        self._key_room[..., held:total, :] = key_states
+        self._value_room[..., held:total, :] = value_states
+        self.keys = self._key_room[..., :total, :]
+        self.values = self._value_room[..., :total, :]
+        return self.keys, self.values
+
+
+def _backed(view: torch.Tensor, buffer: torch.Tensor | None, total: int) -> bool:
+    """Whether `view` is still the head of `buffer` (nobody replaced it) with room up to
+    `total` tokens."""
+    return (
+        buffer is not None
+        and view.dim() == 4
+        and view.data_ptr() == buffer.data_ptr()
+        and view.shape[:2] == buffer.shape[:2]
+        and view.stride() == buffer.stride()
+        and buffer.shape[-2] >= total
+    )
+
+
+def _regrow(held: torch.Tensor, new: torch.Tensor, count: int, room: int) -> torch.Tensor:
+    """A buffer of `room` tokens starting with the `count` tokens of `held`."""
+    batch, heads, _, dim = new.shape
+    buffer = new.new_empty(batch, heads, room, dim)
+    if count:
+        buffer[..., :count, :] = held
+    return buffer
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty cache for `config` whose full-attention layers are RoomyLayers."""
+    cache = DynamicCache(config=config)
+    cache.layers = [
+        RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
 
 
 @dataclass
@@ -214,7 +283,7 @@ class ModelRunner:
         cache, earlier chunks of its prompt, or nothing), through its adapter (None: base)."""
         if not isinstance(cache, DynamicCache):
             prefix = cache
-            cache = DynamicCache(config=self.config)
+            cache = new_cache(self.config)
             for index, (k, v) in enumerate(prefix or []):
                 cache.update(k.unsqueeze(0), v.unsqueeze(0), index)
         tokens = torch.tensor([ids], dtype=torch.long)
