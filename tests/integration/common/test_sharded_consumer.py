@@ -106,3 +106,26 @@ async def test_a_blocking_read_wakes_for_an_entry_on_any_shard(redis: Redis):
     await task
     assert [e.record_id for e in entries] == ["late"]
     assert entries[0].entry_id.startswith("1/")
+
+
+async def test_a_dead_consumers_entries_are_claimed_shard_by_shard(redis: Redis):
+    """What a dead trainer held in any shard is taken over once idle, as one more delivery,
+    and dead-lettered into its shard past max_deliveries."""
+    stream = f"t:{uuid.uuid4().hex}"
+    dead = sharded(redis, stream, "dead", claim_idle_ms=50, max_deliveries=2)
+    await dead.ensure_group()
+    for shard in range(3):
+        await add(redis, stream, shard, f"s{shard}")
+    assert len(await dead.read(10, block_ms=10)) == 3
+    live = sharded(redis, stream, "live", claim_idle_ms=50, max_deliveries=2)
+    await asyncio.sleep(0.1)
+    taken = await live.read(10, block_ms=10)
+    assert sorted(e.record_id for e in taken) == ["s0", "s1", "s2"]
+    assert {e.deliveries for e in taken} == {2}
+    live.release(*(e.entry_id for e in taken))  # its work failed: pending, idle again
+    await asyncio.sleep(0.1)
+    assert await live.read(10, block_ms=10) == []  # a third delivery: dead-lettered instead
+    for shard in range(3):
+        letters = await redis.xrange(SHARDS.name(f"{stream}:dead", shard))
+        assert [f[b"id"] for _, f in letters] == [f"s{shard}".encode()]
+        assert (await redis.xpending(SHARDS.name(stream, shard), "g"))["pending"] == 0
