@@ -244,3 +244,18 @@ async def test_an_engine_refusing_a_bucket_unreceived_does_not_hold_rank_0(engin
     assert post(engine, "/begin_weight_update", {})["success"]  # the failed send closed its own
     assert post(engine, "/end_weight_update", {})["success"]
     assert engine_weights(engine) == before
+
+
+async def test_an_engine_refusing_to_join_does_not_hold_rank_0(engine):  # noqa: F811
+    """The CPU engine refuses an NCCL group at once: rank 0's rendezvous cannot complete, and
+    connect() fails with the engine's reason instead of after the group's timeout (10 s)."""
+    sender = BroadcastSender([Engine(engine)], "127.0.0.1", free_port(), backend="nccl",
+                             group_name=f"test-{uuid.uuid4().hex[:6]}", timeout_s=10)  # fmt: skip
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="the CPU engine receives over gloo"):
+            await sender.connect()
+        assert time.monotonic() - started < 5
+        assert sender.group is None
+    finally:
+        await sender.aclose()

@@ -98,6 +98,17 @@ def failed(call: asyncio.Future) -> bool:
     return call.exception() is not None or not call.result().get("success")
 
 
+def drop_late_group(joined: asyncio.Future) -> None:
+    """Rank 0's join, given up after an engine refused: it times out, or, should it form after
+    all, the group is left at once."""
+    if joined.cancelled() or joined.exception() is not None:
+        return
+    try:
+        destroy_group(joined.result())
+    except Exception as exc:  # nothing else holds it: it goes with its last reference
+        log.warning("could not destroy a broadcast group formed too late: %s", exc)
+
+
 @dataclass(frozen=True)
 class Engine:
     """A policy engine taking part in the broadcast: its URL and its TP size."""
@@ -150,19 +161,37 @@ class BroadcastSender:
         return [as_reply(r) for r in replies]
 
     async def connect(self) -> None:
-        """Every engine joins the group while rank 0 does (the rendezvous waits for all)."""
+        """Every engine joins the group while rank 0 does (the rendezvous waits for all). An
+        engine refusing to join fails this at once: the rendezvous cannot complete without it,
+        and rank 0 does not wait out the timeout for it (its join ends by itself then)."""
         offsets, world = rank_offsets([e.tp for e in self.engines])
-        joined = asyncio.to_thread(
+        joined = asyncio.ensure_future(asyncio.to_thread(
             join_group, self.backend, self.address, self.port, 0, world, self.group_name,
             self.timeout_s,
-        )  # fmt: skip
+        ))  # fmt: skip
         calls = [
-            client.init_weights_update_group(
-                self.address, self.port, offset, world, self.group_name, self.backend
+            asyncio.ensure_future(
+                client.init_weights_update_group(
+                    self.address, self.port, offset, world, self.group_name, self.backend
+                )
             )
             for client, offset in zip(self.clients, offsets, strict=True)
         ]
-        self.group, *replies = await asyncio.gather(joined, *calls)
+        pending: set[asyncio.Future] = {joined, *calls}
+        try:
+            while not joined.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                refused = [as_reply(c.exception() or c.result()) for c in done - {joined}
+                           if failed(c)]  # fmt: skip
+                if refused:
+                    joined.add_done_callback(drop_late_group)
+                    self._check(refused, "/init_weights_update_group")
+            self.group = joined.result()
+        except BaseException:
+            for call in calls:
+                call.cancel()  # the engines' own joins time out by themselves
+            raise
+        replies = [as_reply(r) for r in await asyncio.gather(*calls, return_exceptions=True)]
         try:
             self._check(replies, "/init_weights_update_group")
         except RuntimeError:
