@@ -85,3 +85,26 @@ def test_thumbs_are_plus_or_minus_one_and_a_reward_wins() -> None:
     assert Feedback("a", comment="hm").explicit_reward is None
     stored = Feedback("a", reward=-0.5, comment="c", at=3.5)
     assert Feedback.from_json(stored.to_json()) == stored
+
+
+def test_what_the_store_script_touches_is_in_the_shard_of_the_turns_session() -> None:
+    """Redis Cluster runs a script only when its keys share a slot: the feedback hash, the
+    judge's done marker and audit stream of the turn's shard (the judge's names: JudgeStore)."""
+    from redis.asyncio import Redis
+    from redis.crc import key_slot
+
+    from clawrl.common.feedback import FeedbackSettings, session_of
+    from clawrl.common.shards import Shards
+    from clawrl.gateway.feedback import FeedbackService
+    from clawrl.gateway.metrics import GatewayMetrics
+    from clawrl.gateway.sessions import SessionStore
+
+    redis = Redis()  # never connected: only names are computed
+    sessions = SessionStore(redis, prefix="clawrl:gw", stream="clawrl:turns", maxlen=10,
+                            ttl_s=60, shards=Shards(3, cluster=True))  # fmt: skip
+    service = FeedbackService(redis, sessions, FeedbackSettings(), GatewayMetrics())
+    for session in ("a", "b:with:colons", "c"):
+        turn = f"{session}:0123abcd:7"
+        assert session_of(turn) == session
+        slots = {key_slot(key.encode()) for key in service._keys(turn)}
+        assert slots == {key_slot(sessions.session_key(session).encode())}

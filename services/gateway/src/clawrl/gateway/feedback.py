@@ -14,6 +14,7 @@ trail and counted, in the same atomic step that decided it was late."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -35,6 +36,7 @@ from clawrl.common.feedback import (
     content_id,
     feedback_key,
     judged_marker,
+    session_of,
 )
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
 from clawrl.gateway.metrics import GatewayMetrics
@@ -254,17 +256,12 @@ class FeedbackService:
             comment=request.comment,
             at=time.time(),
         )
-        s = self.settings
         status, stored = await self._store(
-            keys=[
-                feedback_key(s.key_prefix, turn_id),
-                judged_marker(s.judge_key_prefix, turn_id),
-                s.audit_stream,
-            ],
+            keys=self._keys(turn_id),
             args=[
                 feedback.id,
                 feedback.to_json(),
-                s.ttl_s,
+                self.settings.ttl_s,
                 AUDIT_MAXLEN,
                 b'{"turn_id":' + orjson.dumps(turn_id),
                 turn_id,
@@ -298,12 +295,28 @@ class FeedbackService:
             "comment": first.comment,
         }
 
+    def _keys(self, turn_id: str) -> list[str]:
+        """The store script's keys: all in the shard of the turn's session (common/shards.py),
+        where the judge keeps its done marker and audit stream for the turn."""
+        s, shards = self.settings, self.sessions.shards
+        shard = shards.of(session_of(turn_id))
+        return [
+            feedback_key(shards.name(s.key_prefix, shard), turn_id),
+            judged_marker(shards.name(s.judge_key_prefix, shard), turn_id),
+            shards.name(s.audit_stream, shard),
+        ]
+
     async def _turn_id(self, request: FeedbackRequest) -> str:
         """The turn the feedback names, when the sender made it; else the same 404 whether the
         turn does not exist or is someone else's."""
         missing = NotFound(f"no turn of yours matches {request.target()}", code="turn_not_found")
         if request.response_id is not None:
-            found = await self.redis.get(self.sessions.feedback_index_key(request.response_id))
+            # The index is in the shard of the turn's session, which the id does not tell.
+            keys = [
+                self.sessions.feedback_index_key(request.response_id, shard)
+                for shard in range(self.sessions.shards.count)
+            ]
+            found = next((v for v in await gather_get(self.redis, keys) if v is not None), None)
             if found is None:
                 return self._not_found(missing)
             turn_id, _, scope = found.decode().partition("\n")
@@ -323,3 +336,8 @@ class FeedbackService:
     def _not_found(self, error: NotFound) -> str:
         self.metrics.feedback.labels("not_found").inc()
         raise error
+
+
+async def gather_get(redis: Redis, keys: list[str]) -> list[bytes | None]:
+    """GET of each key, concurrently (one MGET would span hash slots under Redis Cluster)."""
+    return list(await asyncio.gather(*(redis.get(key) for key in keys)))
