@@ -55,6 +55,12 @@ def test_each_shard_has_its_own_slot_range(count: int) -> None:
         assert low <= slot(name) < (k + 1) * REDIS_CLUSTER_HASH_SLOTS // count
 
 
+def test_a_configured_name_with_its_own_hash_tag_is_refused_when_sharded() -> None:
+    assert Shards().name("clawrl:{x}:turns", 0) == "clawrl:{x}:turns"
+    with pytest.raises(ValueError, match="must not hold"):
+        Shards(3).name("clawrl:{x}:turns", 0)
+
+
 def test_sessions_spread_over_the_shards_stably() -> None:
     counts = [0, 0, 0]
     for i in range(3000):

@@ -68,6 +68,9 @@ class Shards:
             if index != 0:
                 raise ValueError(f"shard {index} of an unsharded store")
             return base
+        if "{" in base:
+            # Its own hash tag would win over the shard's: every shard in one slot.
+            raise ValueError(f"a sharded key name must not hold '{{': {base!r}")
         return f"{base}:{{{shard_tag(index, self.count)}}}"
 
     def names(self, base: str) -> list[str]:
