@@ -7,13 +7,14 @@ refuses it, printed below); its multi-rank figure is at TP=3. On this 2-core mac
 more ranks than cores: the figure shows the cost of the collectives, not a speed-up.
 
     .venv/bin/python tests/bench/bench_megatron.py [--model SmolLM2-135M-Instruct] [--tp 1 3]
-        [--batch 8] [--prompt 128] [--response 128] [--steps 2]
+        [--batch 8] [--prompt 128] [--response 128] [--steps 2] [--skip-torch]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 import time
@@ -104,9 +105,12 @@ async def main(args: argparse.Namespace) -> None:
               flush=True)  # fmt: skip
 
     torch.set_num_threads(2)
-    torch_settings = settings_for(args, "torch", 1)
-    show(await measure("torch", InProcess(TorchBackend(torch_settings.train, torch_settings.ppo)),
-                       model_dir, args))  # fmt: skip
+    if not args.skip_torch:
+        torch_settings = settings_for(args, "torch", 1)
+        backend = InProcess(TorchBackend(torch_settings.train, torch_settings.ppo))
+        show(await measure("torch", backend, model_dir, args))
+        del backend  # its model, optimizer and activations: gigabytes the Megatron ranks need
+        gc.collect()
     for tp in args.tp:
         actors = start_actors(settings_for(args, "megatron", tp))
         show(await measure(f"megatron TP={tp}", ActorGroup(actors), model_dir, args))
@@ -123,4 +127,5 @@ if __name__ == "__main__":
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--skip-torch", action="store_true", help="only the Megatron backend")
     asyncio.run(main(parser.parse_args()))

@@ -29,7 +29,7 @@ def tiny_configs() -> dict[str, object]:
     """One config per family, each exercising a different feature: Llama with llama3 RoPE
     scaling and untied embeddings, Qwen2 with qkv biases and a vocabulary TP=2 must pad, Qwen3
     with QK-norm, an explicit head_dim and tied embeddings, Qwen3-MoE with 4 experts (top 2,
-    renormalised as the released models do) in every layer."""
+    renormalised as the released models do, and not) in every layer."""
     llama3_rope = {
         "rope_type": "llama3",
         "rope_theta": 10000.0,
@@ -43,6 +43,10 @@ def tiny_configs() -> dict[str, object]:
         "qwen2": Qwen2Config(vocab_size=101, tie_word_embeddings=False, **COMMON),
         "qwen3": Qwen3Config(vocab_size=100, head_dim=8, tie_word_embeddings=True, **COMMON),
         "qwen3_moe": Qwen3MoeConfig(vocab_size=100, head_dim=8, **MOE, **COMMON),
+        # the router's other form: softmax over all experts, top-k kept as they are
+        "qwen3_moe_unnormalised": Qwen3MoeConfig(
+            vocab_size=100, head_dim=8, **{**MOE, "norm_topk_prob": False}, **COMMON
+        ),
     }
 
 
