@@ -43,6 +43,9 @@ BIN = Path(sys.executable).parent
 # AdamW's step for LoRA on SmolLM2-135M in the preference demo (README, "The demo that trends").
 LORA_LR = 5e-4
 LORA_RANK = 16
+# The judge, the trainer and the weight-sync launcher resume from Redis and their checkpoints:
+# like pods, each is rerun this many times when it exits, instead of ending the whole loop.
+RESTARTS = 3
 # SGLang's KV pool on CPU, in tokens: two requests of make run's 16k
 # context at once; ~0.75 GB in bf16 for SmolLM2-135M.
 SGLANG_KV_TOKENS = 32768
@@ -77,15 +80,28 @@ class Stack:
         self.env = env or {}  # settings every process shares
         self.stop_timeout_s = stop_timeout_s
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        # name -> (argv, env, restarts left): what a pod's restart policy would rerun.
+        self.restartable: dict[str, tuple[list[str], dict | None, int]] = {}
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name.replace(' ', '-')}.log"
 
     def start(
-        self, name: str, argv: list[str], ready, timeout_s: float = 300, env: dict | None = None
+        self,
+        name: str,
+        argv: list[str],
+        ready,
+        timeout_s: float = 300,
+        env: dict | None = None,
+        restarts: int = 0,
     ) -> None:
+        """Launch and wait until ready; `restarts`: how often wait() reruns it once it is up
+        and exits (as Kubernetes restarts a pod: for services that resume from Redis and their
+        checkpoints, so one crash does not end the whole loop)."""
         self.launch(name, argv, env)
         self.wait_ready(name, ready, timeout_s)
+        if restarts:
+            self.restartable[name] = (argv, env, restarts)
 
     def launch(self, name: str, argv: list[str], env: dict | None = None) -> None:
         """Start a process without waiting for it (wait_ready does)."""
@@ -102,7 +118,7 @@ class Stack:
         proc = subprocess.Popen(
             argv, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        self.procs.append((name, proc))
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
 
     def wait_ready(self, name: str, ready, timeout_s: float = 300) -> None:
         proc = dict(self.procs)[name]
@@ -143,13 +159,27 @@ class Stack:
             for name, proc in self.procs:
                 if proc.poll() is not None:
                     print(f"\n==> {name} exited with code {proc.returncode}:\n{self.tail(name)}")
-                    return proc.returncode or 1
+                    if not self.restart(name, proc):
+                        return proc.returncode or 1
             if time.monotonic() >= next_status:
                 line = show_status()
                 # On a terminal one line redrawn in place; in a log one line per interval.
                 print(f"\r\033[K{line}" if live else line, end="" if live else "\n", flush=True)
                 next_status = time.monotonic() + interval_s
             time.sleep(0.5)
+
+    def restart(self, name: str, proc: subprocess.Popen) -> bool:
+        """Rerun an exited restartable process (what is left of its group killed first);
+        False when it is not restartable or has no restarts left."""
+        argv, env, left = self.restartable.get(name, ([], None, 0))
+        if left <= 0:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        self.restartable[name] = (argv, env, left - 1)
+        print(f"==> restarting {name} ({left - 1} restart(s) left)", flush=True)
+        self.launch(name, argv, env)
+        return True
 
 
 def engine_argv(model: str, port: int, torch_threads: int, lora_rank: int = 0) -> list[str]:
@@ -257,6 +287,7 @@ def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> No
          "--judge-model", args.judge_model, "--grpc-port", str(args.judge_grpc_port),
          "--metrics-port", str(args.judge_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.judge_metrics_port}/healthz"),
+        restarts=RESTARTS,
     )  # fmt: skip
     stack.start(
         "trainer",
@@ -266,6 +297,7 @@ def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> No
          "--metrics-port", str(args.trainer_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.trainer_metrics_port}/metrics"),
         env=training_env(args),
+        restarts=RESTARTS,
     )  # fmt: skip
     stack.start(
         "weight sync",
@@ -274,6 +306,7 @@ def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> No
          "--engines", f"http://127.0.0.1:{args.policy_port}",
          "watch", "--mode", "local", "--metrics-port", str(args.sync_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.sync_metrics_port}/metrics"),
+        restarts=RESTARTS,
     )  # fmt: skip
 
 

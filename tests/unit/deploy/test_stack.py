@@ -47,6 +47,33 @@ def test_stop_takes_the_processes_a_service_started_with_it(tmp_path, behaviour)
     wait_until(lambda: not alive(helper), 5, "the helper's end (a SIGKILL takes a moment)")
 
 
+def test_a_restartable_service_is_rerun_until_its_restarts_run_out(tmp_path, capsys) -> None:
+    # The judge, trainer and launcher are restartable (a crash of one does not end `make run`);
+    # the rest are not: their exit ends the stack, as before.
+    runs = tmp_path / "runs"
+    stack = Stack("redis://127.0.0.1:1/0", tmp_path, stop_timeout_s=1)
+    stack.start("service", ["sh", "-c", f"echo run >> {runs}; sleep 0.3; exit 3"],
+                lambda: runs.is_file(), timeout_s=10, restarts=2)  # fmt: skip
+    stack.start("steady", ["sleep", "300"], lambda: True, timeout_s=10)
+    try:
+        assert stack.wait(lambda: "", interval_s=60) == 3
+    finally:
+        stack.stop()
+    assert runs.read_text().splitlines() == ["run"] * 3  # the first run and two restarts
+    out = capsys.readouterr().out
+    assert "restarting service (1 restart(s) left)" in out and "(0 restart(s) left)" in out
+    assert [name for name, _ in stack.procs].count("service") == 1
+    assert restartable_services() == ["judge", "trainer", "weight sync"]
+
+
+def restartable_services() -> list[str]:
+    """The names stack.py starts with restarts (read from its source: starting them needs
+    the whole stack)."""
+    source = (REPO / "deploy/local/stack.py").read_text()
+    return [block.split('"')[1] for block in source.split("stack.start(\n")[1:]
+            if "restarts=RESTARTS" in block.split(")  # fmt: skip")[0]]  # fmt: skip
+
+
 def test_the_sglang_engine_trains_full_weights_and_refuses_lora(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CLAWRL_SGLANG_VENV", str(tmp_path / "venv"))
     assert stack.parse_args([]).lora_rank is None
