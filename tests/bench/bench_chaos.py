@@ -34,7 +34,8 @@ def summary(seed: int, t: dict, found: list[str], minutes: float) -> str:
             f"dropped={t['dropped'] or 0} masked={t['masked'] or 0} retracted={t['retracted']} "
             f"versions={versions} "
             f"kills={t['kills']} mid-work={t['kills_mid_work']} "
-            f"ray_left={t['trainer_processes_left']} ({minutes:.1f} min): "
+            f"ray_left={t['trainer_processes_left']} exited_by_themselves={t['exits'] or 0} "
+            f"({minutes:.1f} min): "
             f"{'OK' if not found else 'PROBLEMS: ' + '; '.join(found)}")  # fmt: skip
 
 

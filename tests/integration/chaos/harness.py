@@ -74,15 +74,25 @@ class Plan:
 
 class Service:
     """A process in a session of its own, so a kill takes its whole group (the trainer's Ray
-    runtime too), as when a pod dies; restarted with the same argv and environment."""
+    runtime too), as when a pod dies; restarted with the same argv and environment. Once
+    supervised, one that exits by itself is restarted too (a pod's restartPolicy), and counted
+    in `exits`."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, ready):
         self.name, self.argv, self.env, self.ready = name, argv, env, ready
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.exits: list[int] = []  # exit codes of the runs that ended by themselves
+        self.supervised = False
+        self.down = False  # killed on purpose, not yet restarted
+        self.lock = threading.Lock()
 
     def start(self) -> None:
+        with self.lock:
+            self._spawn()
+
+    def _spawn(self) -> None:
         self.starts += 1
         with self.log_path.open("ab") as log:
             log.write(f"\n==== start {self.starts}\n".encode())
@@ -90,11 +100,23 @@ class Service:
                 self.argv, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
                 cwd=REPO, start_new_session=True,
             )  # fmt: skip
+        self.down = False
+
+    def restart_if_exited(self) -> None:
+        """Restart a run that ended by itself (a supervisor's job), 1 s later."""
+        with self.lock:
+            if self.down or self.proc.poll() is None:
+                return
+            self.exits.append(self.proc.returncode)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group
+            time.sleep(1)  # under the lock: a kill meanwhile must not find it half-started
+            self._spawn()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and not self.supervised:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
             with contextlib.suppress(OSError, httpx.HTTPError, grpc.RpcError):
                 if self.ready():
@@ -104,13 +126,16 @@ class Service:
             time.sleep(0.2)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        with self.lock:
+            self.down = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is None:
             return
+        self.down = True
         if self.proc.poll() is None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -492,6 +517,9 @@ def tally(stack: Stack, plan: Plan, load: Load, kills: list[Kill]) -> dict[str, 
         "kills": {k: sum(1 for x in kills if x.kind == k) for k in KINDS},
         "kills_mid_work": {k: sum(1 for x in kills if x.kind == k and x.mid_work) for k in KINDS},
         "kills_log": [f"{x.at_s:.1f}s {x.kind} ({x.mid_work or 'idle'})" for x in kills],
+        # Runs that ended by themselves (restarted like a pod): not a defect in itself, the
+        # checks above say whether anything was lost; a crash loop shows here.
+        "exits": {n: s.exits for n, s in stack.services.items() if s.exits},
     }
 
 
@@ -554,15 +582,27 @@ def settle(stack: Stack, plan: Plan) -> None:
         time.sleep(0.5)
 
 
+def supervise(stack: Stack, stopping: threading.Event) -> None:
+    """Restart what exits by itself until `stopping` (a Ray runtime that failed to start on an
+    overloaded host ended a run otherwise)."""
+    for service in stack.services.values():
+        service.supervised = True
+    while not stopping.wait(0.5):
+        for service in stack.services.values():
+            service.restart_if_exited()
+
+
 def run(workdir: Path, plan: Plan) -> tuple[dict[str, object], list[str]]:
     """One chaos run: start the stack, load it while killing, settle, reconcile."""
     stack = Stack(workdir, plan)
+    kills: list[Kill] = []
+    done, stopping = threading.Event(), threading.Event()
+    chaos = threading.Thread(target=inject, args=(stack, plan, done, kills), daemon=True)
+    supervisor = threading.Thread(target=supervise, args=(stack, stopping), daemon=True)
     try:
         stack.start()
-        kills: list[Kill] = []
-        done = threading.Event()
-        chaos = threading.Thread(target=inject, args=(stack, plan, done, kills), daemon=True)
         chaos.start()
+        supervisor.start()
         load = drive(stack, plan, done)
         chaos.join()
         for service in stack.services.values():
@@ -570,6 +610,9 @@ def run(workdir: Path, plan: Plan) -> tuple[dict[str, object], list[str]]:
         settle(stack, plan)
         t = tally(stack, plan, load, kills)
     finally:
+        stopping.set()
+        if supervisor.is_alive():
+            supervisor.join()
         stack.stop()
     # Every trainer was killed or stopped: what any of them started must be gone too.
     deadline = time.monotonic() + 10
