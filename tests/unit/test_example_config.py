@@ -67,3 +67,11 @@ def test_the_trainer_reads_its_sections() -> None:
     assert settings.lora.enabled is False and settings.lora.rank == 16
     assert settings.train.micro_batch_tokens == 2048
     assert settings.weight_sync.transport == "disk"
+
+
+def test_the_gateway_and_the_trainer_read_one_tenants_section() -> None:
+    from clawrl.trainer.settings import TrainerSettings
+
+    for settings in (GatewaySettings(), TrainerSettings()):
+        assert settings.tenants.mode == "shared" and settings.tenants.max_adapters == 8
+        assert settings.tenants.min_samples_per_step == 4 and settings.tenants.allow == []

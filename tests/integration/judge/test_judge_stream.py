@@ -52,6 +52,7 @@ async def test_rl_reward_fn_samples_are_exact_copies_of_their_turns(redis: Redis
         make_turn("s1", 2, response="BANANA!"),  # no next state: a reward_fn still judges it
         make_turn("s1", 3, response="", response_ids=[]),
     ]
+    turns[0].tenant = "alice"  # the others have none ("")
     await put_turns(redis, settings, turns)
     async with running(settings, serve=False):
         found = await wait_samples(redis, settings, 4)
@@ -67,7 +68,7 @@ async def test_rl_reward_fn_samples_are_exact_copies_of_their_turns(redis: Redis
         assert list(sample.old_logprobs) == list(turn.response_logprobs)
         assert sample.policy_version == 3 and sample.weight_version == "3"
         assert sample.temperature == pytest.approx(0.7) and sample.top_p == pytest.approx(0.9)
-        assert sample.model == "smollm2-tiny"
+        assert sample.model == "smollm2-tiny" and sample.tenant == turn.tenant
         assert sample.mode == SampleMode.SAMPLE_MODE_BINARY_RL
         assert sample.turn_finalized_at == turn.finalized_at
         assert sample.created_at.seconds > 0

@@ -52,12 +52,13 @@ from clawrl.gateway.openai_responses import (
     response_body,
     stored_messages,
 )
-from clawrl.gateway.protocol import api_credential, parse_chat_request
+from clawrl.gateway.protocol import ChatRequest, api_credential, parse_chat_request
 from clawrl.gateway.recording import Recorder
 from clawrl.gateway.serving import ChatService, OpenStream
 from clawrl.gateway.sessions import SessionStore
 from clawrl.gateway.settings import GatewaySettings
 from clawrl.gateway.spool import RecordingSpool
+from clawrl.gateway.tenants import identify
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class GatewayApp:
                 return await respond_responses(gateway, body, headers, started)
             if path == MESSAGES_ROUTE:
                 return await respond_messages(gateway, body, headers, started)
-            chat = parse_chat_request(body, headers)
+            chat = identify_tenant(gateway, headers, parse_chat_request(body, headers))
             if chat.stream:
                 return SSEResponse(await gateway.service.open_stream(chat, started))
             response_body, response_headers = await gateway.service.complete(chat)
@@ -204,6 +205,7 @@ async def respond_responses(
     served as the chat route serves; the response is stored (unless store=false) before the
     client sees its end, so its continuation always finds it."""
     request = parse_responses_request(body, headers)
+    identify_tenant(gateway, headers, request.chat)
     history, session_id = [], None
     if request.previous_response_id is not None:
         stored = await gateway.conversations.load(
@@ -245,12 +247,17 @@ async def respond_messages(
     gateway: Gateway, body: bytes, headers: Headers, started: float
 ) -> Response:
     """/v1/messages: served as the chat route serves, in Anthropic's shapes."""
-    chat = parse_messages_request(body, headers)
+    chat = identify_tenant(gateway, headers, parse_messages_request(body, headers))
     service = gateway.service
     if chat.stream:
         return SSEResponse(await service.open_stream(chat, started, MessageEvents))
     done = await service.generate(chat)
     return json_response(message_object(chat, done, service.model_name), headers=done.headers)
+
+
+def identify_tenant(gateway: Gateway, headers: Mapping[str, str], chat: ChatRequest) -> ChatRequest:
+    """The request with its tenant set on its session (gateway/tenants.py)."""
+    return identify(chat, gateway.settings.tenants, bool(gateway.api_keys), headers)
 
 
 def authorize(gateway: Gateway, headers: Mapping[str, str]) -> None:

@@ -278,6 +278,8 @@ class SessionMeta:
     session_done: bool = False
     scope: str = "-"  # caller_scope: whose anonymous conversations this request may continue
     owner: str = "-"  # caller_scope of the API key alone: whose stored responses it may continue
+    user: str | None = None  # the caller's end-user id (`user`, Anthropic's metadata.user_id)
+    tenant: str = ""  # whose turn it is (common/tenants.py); set by tenants.identify
 
 
 @dataclass
@@ -472,8 +474,11 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str], user: Any = N
     credential = api_credential(headers)
     if user is None:
         user = data.get("user")
-    scope = caller_scope(credential, user if isinstance(user, str) else None)
-    return SessionMeta(session_id, turn_type, _truthy(done), scope, caller_scope(credential, None))
+    user = user if isinstance(user, str) else None
+    scope = caller_scope(credential, user)
+    return SessionMeta(
+        session_id, turn_type, _truthy(done), scope, caller_scope(credential, None), user
+    )
 
 
 def api_credential(headers: Mapping[str, str]) -> str | None:

@@ -149,6 +149,7 @@ class ServedTurn:
     top_p: float
     created_ns: int = field(default_factory=time.time_ns)
     unknown_weights: bool = False  # the engine's weights were of no known version
+    tenant: str = ""  # the caller's tenant (common/tenants.py)
 
 
 def _timestamp(ns: int | None = None) -> Timestamp:
@@ -194,6 +195,7 @@ def pending_turn(request_id: str, served: ServedTurn) -> bytes:
         temperature=served.temperature,
         top_p=served.top_p,
         created_at=_timestamp(served.created_ns),
+        tenant=served.tenant,
     ).SerializeToString()
 
 

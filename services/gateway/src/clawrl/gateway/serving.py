@@ -329,6 +329,7 @@ class ChatService:
             finish_reason=finish_reason,
             temperature=request.temperature,
             top_p=request.top_p,
+            tenant=request.session.tenant,
         )
         turn_id = await self.recorder.finish(turn, served)
         headers = {"X-Session-Id": turn.session_id}

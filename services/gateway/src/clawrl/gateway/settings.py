@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
+from clawrl.common.tenants import TenantSettings
 
 TurnType = Literal["main", "side"]
 
@@ -184,6 +185,11 @@ class GatewaySettings(ClawrlSettings):
     control: ControlSettings = Field(default_factory=ControlSettings)
     feedback: FeedbackSettings = Field(
         default_factory=FeedbackSettings, description="POST /v1/feedback (shared with the judge)."
+    )
+    tenants: TenantSettings = Field(
+        default_factory=TenantSettings,
+        description="Who a request's tenant is (recorded with its turn) and, per tenant, the "
+        "adapter that serves it (shared with the trainer and the weight sync).",
     )
     gateway_id: str = Field(
         default_factory=socket.gethostname,

@@ -103,6 +103,7 @@ def base_sample(view: TurnView, mode: Mode) -> Sample:
         temperature=turn.temperature,
         top_p=turn.top_p,
         model=turn.model,
+        tenant=turn.tenant,
         created_at=now,
     )
     if turn.HasField("finalized_at"):

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
+from clawrl.common.tenants import TenantSettings
 from clawrl.trainer.losses import AdvantageConfig, LossConfig
 from clawrl.trainer.megatron.settings import MegatronSettings
 from clawrl.trainer.weight_sync.settings import (
@@ -302,6 +303,10 @@ class TrainerSettings(ClawrlSettings):
     ppo: PPOSettings = Field(default_factory=PPOSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    tenants: TenantSettings = Field(
+        default_factory=TenantSettings,
+        description="Per-tenant adapters (shared with the gateway): which tenants train one.",
+    )
     consumer: ConsumerSettings = Field(default_factory=ConsumerSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
@@ -321,6 +326,15 @@ class TrainerSettings(ClawrlSettings):
                 f"checkpoint.keep_versions ({self.checkpoint.keep_versions}) must be at least "
                 f"rollout.max_staleness + 1 ({floor}): an engine may still serve, or a rollback "
                 "may need, any version whose samples are still trained"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> TrainerSettings:
+        if self.tenants.per_tenant and not (self.lora.enabled and self.train.backend == "torch"):
+            raise ValueError(
+                "tenants.mode=per_tenant trains one LoRA adapter per tenant: set lora.enabled "
+                "= true with train.backend = torch (Megatron has no LoRA)"
             )
         return self
 
