@@ -1,6 +1,7 @@
 """Feedback fixtures: a real `clawrl-gateway` with two API keys (two callers) in front of the CPU
-engine (smollm2-tiny), on the session's real Redis, with its own key prefixes; judges run in
-the test's process on the gateway's turn stream."""
+engine (smollm2-tiny), on the session's real Redis, with its own key prefixes and two stream
+shards (so a turn's keys, and the judge's markers and audit stream, are named per shard as on a
+Redis Cluster); judges run in the test's process on the gateway's turn streams."""
 
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from clawrl.common.feedback import session_of
+from clawrl.common.shards import Shards
 from tests.conftest import VENV_BIN, ChildProcess, free_port, wait_until
 from tests.integration.gateway.helpers import GatewayHandle
 
 TINY = "smollm2-tiny"
 ALICE, BOB = "sk-alice", "sk-bob"
+SHARDS = Shards(2)
+
+
+def in_shard(base: str, turn_id: str) -> str:
+    """The name of `base` (a stream or key prefix) in the shard of the turn's session."""
+    return SHARDS.name(base, SHARDS.of(session_of(turn_id)))
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ def gateway(log_dir, redis_url, engine_factory, names: Names) -> Iterator[Gatewa
         "CLAWRL_SESSIONS__KEY_PREFIX": names.gateway_prefix,
         "CLAWRL_SESSIONS__SPOOL_DIR": str(log_dir / f"spool-{names.gateway_prefix}"),
         "CLAWRL_REDIS__TURNS_STREAM": names.turns,
+        "CLAWRL_REDIS__STREAM_SHARDS": str(SHARDS.count),
         "CLAWRL_CONTROL__SERVED_KEY": f"{names.gateway_prefix}:serving",
         "CLAWRL_FEEDBACK__KEY_PREFIX": names.feedback_prefix,
         "CLAWRL_FEEDBACK__JUDGE_KEY_PREFIX": names.judge_prefix,

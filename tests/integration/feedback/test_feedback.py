@@ -26,7 +26,7 @@ from tests.integration.gateway.helpers import GatewayHandle
 from tests.integration.judge.helpers import judge_settings
 from tests.integration.judge.scripted_judge import openai_backend, scripted_judge
 
-from .conftest import ALICE, BOB, TINY, Names
+from .conftest import ALICE, BOB, SHARDS, TINY, Names, in_shard
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ PRM_YES = "The reply was fine. \\boxed{1}"
 def judge_for(redis_url: str, names: Names, judge_url: str, **sections) -> object:
     """A judge on the gateway's turns; `sections` override (feedback={...}, workers={...})."""
     base = {
-        "redis": {"turns_stream": names.turns},
+        "redis": {"turns_stream": names.turns, "stream_shards": SHARDS.count},
         "workers": {"key_prefix": names.judge_prefix, "group": f"g-{uuid.uuid4().hex[:8]}"},
         "audit": {"stream": names.audit},
         "judging": {"mode": "rl", "promote_first_in_session": False},
@@ -54,9 +54,9 @@ def judge_for(redis_url: str, names: Names, judge_url: str, **sections) -> objec
 
 
 async def from_now(redis: Redis, settings) -> None:
-    """The judge's group starts at the stream's end: turns of other tests are not its."""
-    await redis.xgroup_create(settings.redis.turns_stream, settings.workers.group, id="$",
-                              mkstream=True)  # fmt: skip
+    """The judge's group starts at the streams' ends: turns of other tests are not its."""
+    for stream in SHARDS.names(settings.redis.turns_stream):
+        await redis.xgroup_create(stream, settings.workers.group, id="$", mkstream=True)
 
 
 def judge_metric(service, use: str) -> float:
@@ -100,9 +100,10 @@ async def feedback(
 
 
 async def sample_of(redis: Redis, stream: str, turn_id: str, timeout_s: float = 30) -> Sample:
+    """The turn's sample on its shard of the samples stream `stream`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for _, fields in await redis.xrange(stream):
+        for _, fields in await redis.xrange(in_shard(stream, turn_id)):
             sample = decode_entry(fields, Sample)
             if sample.sample_id == turn_id:
                 return sample
@@ -111,22 +112,31 @@ async def sample_of(redis: Redis, stream: str, turn_id: str, timeout_s: float = 
 
 
 async def audits(redis: Redis, stream: str, turn_id: str) -> list[tuple[str, dict]]:
-    """(outcome, record) of every audit entry of a turn."""
+    """(outcome, record) of every audit entry of a turn (on its shard of `stream`)."""
     found = []
-    for _, fields in await redis.xrange(stream):
+    for _, fields in await redis.xrange(in_shard(stream, turn_id)):
         if fields[b"id"].decode() == turn_id:
             found.append((fields[b"outcome"].decode(), orjson.loads(fields[b"data"])))
     return found
 
 
-def session() -> str:
-    return f"fb-{uuid.uuid4().hex[:10]}"
+async def stored(redis: Redis, names: Names, turn_id: str) -> dict[bytes, bytes]:
+    """The turn's feedback hash."""
+    return await redis.hgetall(feedback_key(in_shard(names.feedback_prefix, turn_id), turn_id))
+
+
+def session(shard: int | None = None) -> str:
+    """A new session id (in `shard` when given)."""
+    while True:
+        sid = f"fb-{uuid.uuid4().hex[:10]}"
+        if shard is None or SHARDS.of(sid) == shard:
+            return sid
 
 
 async def test_explicit_feedback_overrides_the_judge(
     redis: Redis, redis_url: str, gateway: GatewayHandle, names: Names
 ) -> None:
-    rated, by_session = session(), session()
+    rated, by_session = session(1), session(0)  # a response id is looked up in every shard
     response_id, turn_id = await chat(gateway, rated)
     _, other_turn = await chat(gateway, by_session)
     reply = await feedback(gateway, {"response_id": response_id, "reward": -0.5,
@@ -238,8 +248,8 @@ async def test_late_feedback_is_audited_and_counted(
     outcome, record = late
     assert outcome == "late_feedback" and record["turn_id"] == turn_id
     assert record["sample_entry"] and record["late_feedback"][0]["comment"] == "Wrong."
-    stored = await redis.hgetall(feedback_key(names.feedback_prefix, turn_id))
-    assert [k.decode()[:2] for k in stored] == ["l:"]  # kept, as late
+    entries = await stored(redis, names, turn_id)
+    assert [k.decode()[:2] for k in entries] == ["l:"]  # kept, as late
 
 
 async def test_feedback_arriving_while_the_turn_is_judged_is_audited_as_late(
@@ -272,8 +282,8 @@ async def test_feedback_arriving_while_the_turn_is_judged_is_audited_as_late(
     assert late == 1  # ... so it was counted
     outcomes = dict(await audits(redis, settings.audit.stream, turn_id))
     assert outcomes["late_feedback"]["late_feedback"][0]["reward"] == -1
-    stored = await redis.hgetall(feedback_key(names.feedback_prefix, turn_id))
-    assert [k.decode()[:2] for k in stored] == ["l:"]
+    entries = await stored(redis, names, turn_id)
+    assert [k.decode()[:2] for k in entries] == ["l:"]
 
 
 async def test_responses_and_messages_ids_are_ratable(gateway: GatewayHandle) -> None:
@@ -337,8 +347,8 @@ async def test_a_retried_post_is_stored_once(
     # No id: the content names it, so the same POST twice is one feedback too.
     plain = {"response_id": response_id, "thumbs": "up"}
     assert (await feedback(gateway, plain)).json() == (await feedback(gateway, plain)).json()
-    stored = await redis.hgetall(feedback_key(names.feedback_prefix, turn_id))
-    assert len(stored) == 2
+    entries = await stored(redis, names, turn_id)
+    assert len(entries) == 2
     assert gateway.metric("clawrl_gateway_feedback_total", outcome="duplicate") >= 2
 
 
