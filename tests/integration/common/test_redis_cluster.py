@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from clawrl.common.records import Sample, decode_entry
+from clawrl.common.redis_client import run_script
 from clawrl.common.shards import Shards
 from clawrl.judge.service import build_store, running
 from clawrl.trainer.intake import Intake
@@ -172,5 +173,24 @@ async def test_every_turn_reaches_the_samples_once_over_3_primaries(cluster, gat
             config = build_store(settings, redis, shard=k).config
             assert (await redis.xpending(config.turns_stream, "judges"))["pending"] == 0
             assert (await redis.xpending(config.samples_stream, "trainers"))["pending"] == 0
+    finally:
+        await redis.aclose()
+
+
+async def test_many_script_calls_run_in_one_pipeline_per_node(cluster) -> None:
+    """run_script on a cluster (redis-py refuses evalsha in its pipelines): results in order,
+    and the calls of a node that does not know the script (first use; a restarted node) run
+    once, not twice."""
+    redis = RedisCluster.from_url(cluster.url)
+    try:
+        script = redis.register_script("return redis.call('INCR', KEYS[1])")
+        tag = uuid.uuid4().hex[:6]
+        keys = [f"{tag}:{{s{k % 3}}}:n{k}" for k in range(30)]
+        assert await run_script(redis, script, [([key], []) for key in keys]) == [1] * 30
+        # One node forgets the script (as a restarted one would): its calls run once, alone.
+        node = redis.get_node_from_key(keys[0])
+        await redis.execute_command("SCRIPT FLUSH", target_nodes=node)
+        assert await redis.execute_command("SCRIPT EXISTS", script.sha, target_nodes=node) == [0]
+        assert await run_script(redis, script, [([key], []) for key in keys]) == [2] * 30
     finally:
         await redis.aclose()

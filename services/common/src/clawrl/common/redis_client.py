@@ -1,25 +1,18 @@
 """The one way every service connects to Redis: one server (`redis.asyncio.Redis`) or, with
 `[redis] cluster = true`, a Redis Cluster (`redis.asyncio.RedisCluster`, seeded by the URL's node),
-with the same options; and running many calls of one script, which the cluster client cannot
-pipeline."""
+with the same options; and running many calls of one script in one pipeline on either."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from clawrl.common.settings import RedisSettings
-
-# Both clients serve the same commands; code that needs the difference checks `is_cluster`.
-AnyRedis = Redis | RedisCluster
-
-# Script calls in flight at once on a cluster (each its own request: no pipelining there).
-CLUSTER_SCRIPT_CONCURRENCY = 64
 
 
 def connect(settings: RedisSettings, **options: Any) -> Redis:
@@ -36,8 +29,11 @@ def is_cluster(redis: Any) -> bool:
 async def run_script(
     redis: Redis, script: AsyncScript, calls: Sequence[tuple[list, list]]
 ) -> list[Any]:
-    """`script` once per `(keys, args)`, results in order: in one pipeline on one Redis (one
-    round trip), concurrently on a cluster (whose client refuses scripts in pipelines)."""
+    """`script` once per `(keys, args)`, results in order, in one pipeline (one round trip per
+    node, each node's calls run in order). redis-py refuses `evalsha` in a cluster pipeline, as a
+    node that does not know the script would answer NOSCRIPT: its calls are sent as plain
+    EVALSHA commands, and any call a node refused so (it never ran) is run again on its own,
+    which loads the script."""
     if not calls:
         return []
     if not is_cluster(redis):
@@ -45,10 +41,14 @@ async def run_script(
             for keys, args in calls:
                 await script(keys=keys, args=args, client=pipe)
             return await pipe.execute()
-    gate = asyncio.Semaphore(CLUSTER_SCRIPT_CONCURRENCY)
-
-    async def one(keys: list, args: list) -> Any:
-        async with gate:
-            return await script(keys=keys, args=args)
-
-    return list(await asyncio.gather(*(one(keys, args) for keys, args in calls)))
+    async with redis.pipeline(transaction=False) as pipe:
+        for keys, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        results = await pipe.execute(raise_on_error=False)
+    for i, result in enumerate(results):
+        if isinstance(result, NoScriptError):
+            keys, args = calls[i]
+            results[i] = await script(keys=keys, args=args)
+        elif isinstance(result, Exception):
+            raise result
+    return results

@@ -163,8 +163,7 @@ class JudgeStore:
         return keys, args
 
     async def commit(self, items: list[tuple[str, Judgement]]) -> list[str]:
-        """Commit `(entry_id, judgement)` pairs in one pipeline (on a cluster: concurrently, the
-        order of two turns of one session then open; each is atomic); each outcome is 'published',
+        """Commit `(entry_id, judgement)` pairs in one pipeline; each outcome is 'published',
         'promoted' or 'duplicate'."""
         if not items:
             return []
