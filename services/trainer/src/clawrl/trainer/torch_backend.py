@@ -12,10 +12,15 @@ With `[lora] enabled` the model is wrapped by peft: the base weights are frozen,
 adapter is in the optimizer and in the saved states, and an export is a PEFT adapter directory
 (adapter_config.json + adapter_model.safetensors) that engines load beside the base. The KL
 reference is then the same model with its adapter disabled: no second copy of the base.
+
+Per-tenant adapters (`[tenants] mode = "per_tenant"`) live in the same peft model beside the
+shared one, each with its own optimizer: `use_adapter(tenant)` picks the one that the next
+log-probs, step and export are of; a tenant's first adapter is a copy of the shared one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -30,6 +35,7 @@ from transformers.utils import logging as hf_logging
 
 from clawrl.common.models import stretch_config
 from clawrl.common.settings import ModelSettings
+from clawrl.common.tenants import SHARED
 from clawrl.trainer.backend import (
     TrainBatch,
     Which,
@@ -47,6 +53,8 @@ from clawrl.trainer.losses import (
 from clawrl.trainer.settings import LoraSettings, PPOSettings, TrainSettings
 
 log = logging.getLogger(__name__)
+
+SHARED_ADAPTER = "default"  # peft's name of the first adapter: the shared policy's
 
 # Files of an HF model directory that are not weights: copied next to every export so an engine
 # can load it on its own.
@@ -98,6 +106,8 @@ class TorchBackend:
         self.model = None
         self.reference = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}  # per tenant, with LoRA
+        self.tenant = SHARED  # whose adapter the next step trains
         torch.manual_seed(train.seed)
         if train.num_threads:
             torch.set_num_threads(train.num_threads)
@@ -125,12 +135,44 @@ class TorchBackend:
         elif load_reference:
             self.reference = self._load_model(self.model_dir).eval().requires_grad_(False)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self._trainable().values(),
+        self.optimizer = self._adamw(self._trainable().values())
+        self.optimizers = {SHARED: self.optimizer}
+
+    def _adamw(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            params,
             lr=self.ppo.lr,
             betas=(self.ppo.beta1, self.ppo.beta2),
             weight_decay=self.ppo.weight_decay,
         )
+
+    # --- tenants ---------------------------------------------------------------------------------
+
+    def use_adapter(self, tenant: str) -> None:
+        """Score, train and export `tenant`'s adapter from now on (SHARED: the shared policy's).
+        A tenant seen for the first time starts from the shared policy: a copy of its adapter's
+        weights (not of its optimizer's moments)."""
+        if not self.lora.enabled:
+            raise RuntimeError("per-tenant adapters need [lora] enabled")
+        name = peft_name(tenant)
+        if tenant not in self.optimizers:
+            self.model.add_adapter(name, self._lora_config())
+            shared = self._adapter_params(SHARED_ADAPTER)
+            with torch.no_grad():
+                for key, param in self._adapter_params(name).items():
+                    param.copy_(shared[key.replace(f".{name}.", f".{SHARED_ADAPTER}.")])
+            self.optimizers[tenant] = self._adamw(self._adapter_params(name).values())
+            log.info("tenant %s: a new adapter, from the shared policy", tenant)
+        self.model.set_adapter(name)  # the active adapter alone requires grad
+        self.optimizer = self.optimizers[tenant]
+        self.tenant = tenant
+
+    def _adapter_params(self, name: str) -> dict[str, torch.nn.Parameter]:
+        return {
+            key: p
+            for key, p in self.model.named_parameters()
+            if "lora_" in key and f".{name}." in key
+        }
 
     def _lora_config(self) -> LoraConfig:
         return LoraConfig(
@@ -259,27 +301,48 @@ class TorchBackend:
                 shutil.copy2(source, Path(path) / name)
 
     def _export_adapter(self, path: Path) -> None:
-        """The adapter alone, in the compute dtype, as peft writes it (SGLang's
-        /load_lora_adapter reads adapter_config.json + adapter_model.safetensors)."""
-        weights = {name: p.detach().to(self.dtype) for name, p in self._trainable().items()}
+        """The adapter alone (the tenant's in use), in the compute dtype, as peft writes it
+        (SGLang's /load_lora_adapter reads adapter_config.json + adapter_model.safetensors)."""
+        name = peft_name(self.tenant)
+        weights = {key: p.detach().to(self.dtype) for key, p in self._adapter_params(name).items()}
         self.model.save_pretrained(
-            path, state_dict=weights, safe_serialization=True, save_embedding_layers=False
+            path,
+            state_dict=weights,
+            safe_serialization=True,
+            save_embedding_layers=False,
+            selected_adapters=[name],
         )
+        if name != SHARED_ADAPTER:  # peft writes any other adapter into a subdirectory
+            for written in (Path(path) / name).iterdir():
+                written.rename(Path(path) / written.name)
+            (Path(path) / name).rmdir()
 
     def save_state(self, path: Path) -> None:
         # One torch file: exact (tied weights, optimizer moments, RNG), read back only by us.
         # With LoRA only the adapter: the frozen base is the model directory itself.
         weights = (
-            {name: p.detach() for name, p in self._trainable().items()}
+            {key: p.detach() for key, p in self._adapter_params(SHARED_ADAPTER).items()}
             if self.lora.enabled
             else self.model.state_dict()
         )
         state = {
             "model": weights,
             "lora": self.lora.enabled,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizers[SHARED].state_dict(),
             "rng": torch.get_rng_state(),
         }
+        tenants = {
+            tenant: {
+                "model": {
+                    k: p.detach() for k, p in self._adapter_params(peft_name(tenant)).items()
+                },
+                "optimizer": optimizer.state_dict(),
+            }
+            for tenant, optimizer in self.optimizers.items()
+            if tenant != SHARED
+        }
+        if tenants:  # per-tenant adapters; a shared-mode state stays as it was
+            state["tenants"] = tenants
         if self.device.type == "cuda":  # LoRA dropout on a GPU draws from CUDA's generator
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         torch.save(state, Path(path) / "backend.pt")
@@ -294,15 +357,32 @@ class TorchBackend:
                 "resume with the settings it was trained with, or start a new checkpoint.dir"
             )
         if self.lora.enabled:
-            loaded = self.model.load_state_dict(state["model"], strict=False)
-            if loaded.unexpected_keys or set(state["model"]) != set(self._trainable()):
-                raise ValueError(
-                    f"the adapter in {path} does not match [lora] target_modules "
-                    f"{self.lora.target_modules}: resume with the settings it was trained with"
-                )
+            self.use_adapter(SHARED)
+            self._load_adapter(path, SHARED, state["model"])
+            for tenant, saved in state.get("tenants", {}).items():
+                self.use_adapter(tenant)  # made from the shared one, then overwritten
+                self._load_adapter(path, tenant, saved["model"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+            self.use_adapter(SHARED)
         else:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"].cpu())
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
+
+    def _load_adapter(self, path: Path, tenant: str, weights: dict[str, Tensor]) -> None:
+        loaded = self.model.load_state_dict(weights, strict=False)
+        if loaded.unexpected_keys or set(weights) != set(self._adapter_params(peft_name(tenant))):
+            raise ValueError(
+                f"the adapter in {path} does not match [lora] target_modules "
+                f"{self.lora.target_modules}: resume with the settings it was trained with"
+            )
+
+
+def peft_name(tenant: str) -> str:
+    """The adapter's name inside the peft model: a tenant id may hold dots, which module names
+    cannot."""
+    if tenant == SHARED:
+        return SHARED_ADAPTER
+    return "t_" + hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest()
