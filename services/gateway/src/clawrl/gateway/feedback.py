@@ -29,6 +29,7 @@ from pydantic import Field, StrictInt, StrictStr, ValidationError, field_validat
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from clawrl.common import records
 from clawrl.common.feedback import (
     Feedback,
     FeedbackSettings,
@@ -319,8 +320,8 @@ class FeedbackService:
             found = next((v for v in await gather_get(self.redis, keys) if v is not None), None)
             if found is None:
                 return self._not_found(missing)
-            turn_id, _, scope = found.decode().partition("\n")
-            return turn_id if owned(scope, request.scope) else self._not_found(missing)
+            found_id, _, scope = found.decode().partition("\n")
+            return found_id if owned(scope, request.scope) else self._not_found(missing)
         assert request.session_id is not None
         epoch, next_index, owner = await self.redis.hmget(
             self.sessions.session_key(request.session_id), "epoch", "next", "owner"
@@ -331,7 +332,7 @@ class FeedbackService:
         index = count - 1 if request.turn_index is None else request.turn_index
         if not 0 <= index < count:
             return self._not_found(missing)
-        return f"{request.session_id}:{epoch.decode()}:{index}"
+        return records.turn_id(request.session_id, epoch.decode(), index)
 
     def _not_found(self, error: NotFound) -> str:
         self.metrics.feedback.labels("not_found").inc()
