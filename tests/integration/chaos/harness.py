@@ -105,7 +105,7 @@ class Service:
     def restart_if_exited(self) -> None:
         """Restart a run that ended by itself (a supervisor's job), 1 s later."""
         with self.lock:
-            if self.down or self.proc.poll() is None:
+            if self.down or self.proc is None or self.proc.poll() is None:
                 return
             self.exits.append(self.proc.returncode)
             with contextlib.suppress(ProcessLookupError):
@@ -131,16 +131,6 @@ class Service:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.down = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-        self.kill()  # what is left of its group
 
     def tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
@@ -258,10 +248,13 @@ class Stack:
         self._channels = [grpc.insecure_channel(c) for c in self.controls]
 
     def stop(self) -> None:
+        """Every service's group SIGKILLed, as the run's kills were: what was checked is in
+        Redis and on disk already, and a killed trainer must leave no Ray process either."""
         for channel in self._channels:
             channel.close()
         for service in reversed(self.services.values()):
-            service.stop()
+            if service.proc is not None:
+                service.kill()
         self.redis.close()
         self.redis_child.stop()
 
@@ -583,10 +576,8 @@ def settle(stack: Stack, plan: Plan) -> None:
 
 
 def supervise(stack: Stack, stopping: threading.Event) -> None:
-    """Restart what exits by itself until `stopping` (a Ray runtime that failed to start on an
-    overloaded host ended a run otherwise)."""
-    for service in stack.services.values():
-        service.supervised = True
+    """Restart what exits by itself until `stopping` (a Ray runtime that timed out starting on
+    an overloaded host ended a run otherwise)."""
     while not stopping.wait(0.5):
         for service in stack.services.values():
             service.restart_if_exited()
@@ -599,10 +590,12 @@ def run(workdir: Path, plan: Plan) -> tuple[dict[str, object], list[str]]:
     done, stopping = threading.Event(), threading.Event()
     chaos = threading.Thread(target=inject, args=(stack, plan, done, kills), daemon=True)
     supervisor = threading.Thread(target=supervise, args=(stack, stopping), daemon=True)
+    for service in stack.services.values():
+        service.supervised = True
     try:
+        supervisor.start()  # from the start: a Ray runtime may time out starting on a busy host
         stack.start()
         chaos.start()
-        supervisor.start()
         load = drive(stack, plan, done)
         chaos.join()
         for service in stack.services.values():
