@@ -86,7 +86,10 @@ def main() -> None:
     started = time.monotonic()
     ports = {name: free_port() for name in NAMES}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-learning-"))
-    env = {**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml"}
+    # Every version's adapter stays on disk: the evaluator scores versions pinned, minutes after
+    # they were announced, and an adapter pruned in between fails its evaluation.
+    env = {**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
+           "CLAWRL_CHECKPOINT__KEEP_VERSIONS": "1000"}  # fmt: skip
     reward_fn = {"preference": "stated_preference", "arithmetic": "arithmetic_confirmed"}
     log = (run_dir / "stack.log").open("wb")
     stack = subprocess.Popen(
