@@ -60,6 +60,7 @@ bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_gateway.py
 	$(PY) tests/bench/bench_gateway_apis.py
 	$(PY) tests/bench/bench_judge.py
+	$(PY) tests/bench/bench_redis_shards.py
 	$(PY) tests/bench/bench_trainer.py
 	$(PY) tests/bench/bench_megatron.py
 	$(PY) tests/bench/bench_weight_sync.py
