@@ -11,6 +11,7 @@ import asyncio
 import json
 import queue
 import threading
+import time
 
 import anthropic
 import httpx
@@ -551,3 +552,27 @@ def test_each_api_answers_in_its_own_error_shape(secured):
     assert builtin.value.body["param"] == "tools[0].type"
     with pytest.raises(openai.AuthenticationError):
         openai_client(secured, "wrong").responses.create(model="m", input="Hi")
+
+
+def test_messages_without_a_session_header_form_a_session(gateway, session_id):
+    """No session header: a Messages request resending the history is the next turn of the
+    same caller's conversation, as on chat completions."""
+    client = anthropic_client(gateway, f"key-{session_id}")
+    question = {"role": "user", "content": f"Hi {session_id}"}
+    first = client.messages.create(model="m", max_tokens=4, messages=[question])
+    reply = {"role": "assistant", "content": [block.model_dump() for block in first.content]}
+    second = client.messages.create(
+        model="m",
+        max_tokens=4,
+        messages=[question, reply, {"role": "user", "content": "More"}],
+        extra_headers={"X-Session-Done": "true"},
+    )
+    ids = (first.id, second.id)
+    deadline = time.monotonic() + 15
+    while len(turns := [t for t in gateway.turns() if t.request_id in ids]) < 2:
+        assert time.monotonic() < deadline, "both turns must reach the stream"
+        time.sleep(0.05)
+    first_turn, second_turn = sorted(turns, key=lambda t: t.turn_index)
+    assert first_turn.session_id == second_turn.session_id
+    assert json.loads(first_turn.next_state_json) == {"role": "user", "content": "More"}
+    assert not first_turn.history_mismatch
