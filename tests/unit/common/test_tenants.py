@@ -88,3 +88,14 @@ def test_the_trainer_refuses_per_tenant_without_lora_at_start():
     assert TrainerSettings(
         tenants={"mode": "per_tenant"}, lora={"enabled": True}
     ).tenants.per_tenant
+
+
+def test_a_tenants_version_announcement_round_trips_and_a_shared_one_is_unchanged():
+    from clawrl.common.tenants import tenant_versions_stream
+    from clawrl.common.versions import VersionReady
+
+    shared = VersionReady(3, "/c/policy/v3", 3, 1.0, adapter="policy-v3")
+    assert "tenant" not in shared.fields()
+    mine = VersionReady(2, "/c/policy/tenant-alice/v2", 5, 1.0, "tenant-alice-v2", "alice")
+    assert VersionReady.from_fields(mine.fields()) == mine
+    assert tenant_versions_stream("clawrl:versions") == "clawrl:versions:tenants"

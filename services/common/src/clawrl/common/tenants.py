@@ -136,6 +136,12 @@ def tenant_adapter(tenant: str, version: int) -> str:
     return f"tenant-{tenant}-v{version}"
 
 
+def tenant_versions_stream(versions_stream: str) -> str:
+    """Where the trainer announces tenants' adapter versions: beside the shared versions'
+    stream, so a reader of that stream only ever sees the shared policy's."""
+    return f"{versions_stream}:tenants"
+
+
 def parse_tenant_adapter(name: str) -> tuple[str, int] | None:
     """(tenant, version) of a tenant adapter's name; None for any other name."""
     found = ADAPTER.fullmatch(name)

@@ -25,19 +25,23 @@ class VersionReady:
     step: int
     created_at: float
     adapter: str = ""  # the adapter's name ("policy-v3") when `path` is a LoRA adapter
+    tenant: str = ""  # whose adapter it is ("tenant-<id>-v3"); "" for the shared policy
 
     @property
     def is_adapter(self) -> bool:
         return bool(self.adapter)
 
     def fields(self) -> dict[str, str]:
-        return {
+        fields = {
             "version": str(self.version),
             "path": self.path,
             "step": str(self.step),
             "created_at": repr(self.created_at),
             "adapter": self.adapter,
         }
+        if self.tenant:  # a shared version's entry stays as it was
+            fields["tenant"] = self.tenant
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> VersionReady:
@@ -50,6 +54,7 @@ class VersionReady:
                 step=int(values.get("step", "0")),
                 created_at=float(values.get("created_at", "0")),
                 adapter=values.get("adapter", ""),
+                tenant=values.get("tenant", ""),
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed version announcement {values!r}: {exc}") from exc

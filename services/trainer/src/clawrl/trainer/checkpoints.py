@@ -4,6 +4,7 @@
     {dir}/state/LATEST         the name of the newest complete state
     {dir}/policy/v3/           HF safetensors + config + tokenizer of policy version 3
                                (with LoRA: the PEFT adapter, adapter_config.json + safetensors)
+    {dir}/policy/tenant-T/v2/  version 2 of tenant T's adapter (tenants.mode = per_tenant)
 
 Everything is written into a `.tmp-*` sibling, flushed to disk, then renamed: a reader (the
 trainer after a crash, an engine loading v3) sees a whole directory or none. A state is durable
@@ -35,6 +36,9 @@ class TrainerState:
     samples_trained: int = 0
     # Ids of the last trained samples (oldest first), bounded by the dedupe window.
     trained_ids: list[str] = field(default_factory=list)
+    # Per-tenant mode: each tenant's steps and last exported adapter version.
+    tenant_steps: dict[str, int] = field(default_factory=dict)
+    tenant_versions: dict[str, int] = field(default_factory=dict)
 
 
 class TrainedIds:
@@ -140,6 +144,16 @@ class CheckpointStore:
         self._replace(tmp, final)
         spare = set() if announced is None else {announced, announced - 1}
         self._prune(self.policies, "v", self.settings.keep_versions, spare)
+        return final
+
+    def commit_tenant_export(self, tmp: Path, tenant: str, version: int) -> Path:
+        """Make the staged adapter policy/tenant-{tenant}/v{version}; keep the last
+        `keep_versions` of the tenant's."""
+        parent = self.policies / f"tenant-{tenant}"
+        parent.mkdir(exist_ok=True)
+        final = parent / f"v{version}"
+        self._replace(tmp, final)
+        self._prune(parent, "v", self.settings.keep_versions)
         return final
 
     def announced_path(self, path: Path) -> str:

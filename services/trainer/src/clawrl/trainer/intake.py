@@ -19,6 +19,12 @@ that never finished (`UnfinishedSteps`): while an entry's count is at most `loss
 batch is retried whole; after that each further loss halves the steps it may be in, until the
 sample that kills the backend is alone in its step and, losing it once more, is dead-lettered.
 The rest of its batch is trained in the smaller steps.
+
+In `[tenants] mode = "per_tenant"` admitted samples wait in their adapter's queue
+(`tenants.TenantQueues`) and a batch is one adapter's, in the queues' fair order; samples of
+other adapters keep waiting, pending, for their own steps (after a restart they are read again).
+There a batch that lost the backend is retried whole (no halving) until its entries' counts
+would have put each alone in a step; then they are dead-lettered as they come back.
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from redis.asyncio import Redis
 
 from clawrl.common.records import RecordError, Sample, decode_entry
 from clawrl.common.streams import Entry, GroupConsumer
+from clawrl.common.tenants import SHARED, TenantSettings
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import BadSample, ModeMismatch, check_mode, check_sample, is_trainable
+from clawrl.trainer.tenants import TenantQueues
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,12 @@ class Collected:
 
     held: list[Held] = field(default_factory=list)
     ack_with_step: list[str] = field(default_factory=list)
+    tenant: str = SHARED  # the adapter the batch trains (per-tenant mode)
+
+
+# The policy version samples are measured against: one for all, or per sample (per-tenant mode:
+# the version of the adapter the sample trains).
+CurrentVersion: TypeAlias = int | Callable[[Sample], int]
 
 
 class Intake:
@@ -110,6 +125,7 @@ class Intake:
         max_length: int,
         loss_retries: int = 1,
         estimator: str = "grpo",
+        tenants: TenantSettings | None = None,
     ) -> None:
         self.consumer = consumer
         self.metrics = metrics
@@ -124,10 +140,13 @@ class Intake:
         )
         # Own pending entries (read once at start), then entries read that did not fit a step.
         self._backlog: list[Entry] | None = None
+        self.queues: TenantQueues[Held] | None = None
+        if tenants is not None and tenants.per_tenant:
+            self.queues = TenantQueues(tenants, batch_size)
 
     async def next_batch(
         self,
-        policy_version: int,
+        policy_version: CurrentVersion,
         trained: Callable[[str], bool],
         uncommitted: set[str],
         stop: asyncio.Event,
@@ -141,6 +160,10 @@ class Intake:
             self._backlog = await self.consumer.read_own_pending(count=100_000)
             if self._backlog:
                 log.info("taking back %d pending entries of a previous run", len(self._backlog))
+        if self.queues is not None:
+            return await self._next_tenant_batch(
+                self.queues, policy_version, trained, uncommitted, stop, block_ms
+            )
         collected = Collected()
         in_batch: set[str] = set()
         limit = self.batch_size
@@ -173,10 +196,50 @@ class Intake:
                 limit = min(limit, fits)
         return collected
 
+    async def _next_tenant_batch(
+        self,
+        queues: TenantQueues[Held],
+        policy_version: CurrentVersion,
+        trained: Callable[[str], bool],
+        uncommitted: set[str],
+        stop: asyncio.Event,
+        block_ms: int,
+    ) -> Collected | None:
+        """The next adapter's batch in the queues' fair order, reading until one is full."""
+        ack_with_step: list[str] = []
+        while (ready := queues.pop_ready()) is None:
+            if stop.is_set():
+                return None
+            if self._backlog:
+                entries = self._backlog[: self.batch_size]
+                self._backlog = self._backlog[self.batch_size :]
+            else:
+                entries = await self.consumer.read(self.batch_size, block_ms=block_ms)
+            losses = await self.unfinished.counts([entry.entry_id for entry in entries])
+            waiting = {held.sample.sample_id for held in queues.held()}
+            for entry in entries:
+                lost = losses.get(entry.entry_id, 0)
+                sample = await self._admit(
+                    entry, policy_version, trained, uncommitted, waiting, lost
+                )
+                if not isinstance(sample, Sample):
+                    if lost:
+                        await self.unfinished.finish([entry.entry_id])
+                    if isinstance(sample, str):
+                        ack_with_step.append(sample)
+                    continue
+                waiting.add(sample.sample_id)
+                overflow = queues.overflow
+                queues.put(sample.tenant, Held(sample, entry))
+                if queues.overflow > overflow:
+                    self.metrics.tenant_overflow.inc()
+        adapter, held = ready
+        return Collected(held, ack_with_step, adapter)
+
     async def _admit(
         self,
         entry: Entry,
-        policy_version: int,
+        policy_version: CurrentVersion,
         trained: Callable[[str], bool],
         uncommitted: set[str],
         in_batch: set[str],
@@ -199,7 +262,8 @@ class Intake:
             consumed.labels("masked").inc()
             await self.consumer.ack(entry.entry_id)
             return None
-        if policy_version - sample.policy_version > self.max_staleness:
+        current = policy_version(sample) if callable(policy_version) else policy_version
+        if current - sample.policy_version > self.max_staleness:
             return await self._drop(entry, "stale", sample)
         try:
             # A sample of another judging mode is dead-lettered, not refused at start: the

@@ -65,6 +65,26 @@ class TrainerMetrics:
         )
         for reason in DROP_REASONS:
             self.samples_dropped.labels(reason)
+        # Per-tenant mode; the tenant label is bounded by tenants.max_adapters (+ "" shared).
+        self.tenant_steps = Counter(
+            "clawrl_trainer_tenant_steps_total",
+            'Steps taken per adapter in tenants.mode = per_tenant (tenant: its id, "" for the '
+            "shared policy): the fair order across tenants, counted.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_version = Gauge(
+            "clawrl_trainer_tenant_policy_version",
+            "The last exported version of each tenant's adapter.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_overflow = Counter(
+            "clawrl_trainer_tenant_overflow_samples_total",
+            "Samples of tenants selected for an adapter that found no room (tenants.max_adapters "
+            "reached): trained into the shared policy instead.",
+            registry=r,
+        )
         self.tokens = Counter(
             "clawrl_trainer_tokens_total", "Prompt + response tokens trained.", registry=r
         )

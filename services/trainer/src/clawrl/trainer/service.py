@@ -65,6 +65,7 @@ async def build_trainer(
         max_length=context_length(settings.model, model_dir),
         loss_retries=settings.consumer.backend_loss_retries,
         estimator=settings.advantage.estimator,
+        tenants=settings.tenants,
     )
     store = CheckpointStore(settings.checkpoint)
     sync = None

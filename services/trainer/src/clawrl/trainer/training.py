@@ -9,6 +9,11 @@ Order of a step (exactly-once rests on it):
 5. only then XACK the entries of the steps it includes, and announce the new version.
 A crash before 4 replays the steps from the last state with the same entries (still pending);
 a crash between 4 and 5 finds the ids in the state and acknowledges them without training.
+
+In `[tenants] mode = "per_tenant"` a batch is one adapter's (intake, tenants.TenantQueues): the
+step trains that adapter alone, every sync_interval steps of it exports it (a tenant's as
+policy/tenant-T/vN, announced as `tenant-T-vN` on the tenants' versions stream), and the same
+state holds every adapter, so exactly-once is the same for all.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import torch
 from redis.asyncio import Redis
 
 from clawrl.common.logs import log_context
+from clawrl.common.records import Sample
 from clawrl.common.streams import GroupConsumer
+from clawrl.common.tenants import SHARED, tenant_adapter, tenant_versions_stream
 from clawrl.common.versions import VersionReady, adapter_name, announce, latest
 from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState, is_adapter_dir
 from clawrl.trainer.driver import BackendHandle, BackendLost
@@ -39,6 +46,7 @@ from clawrl.trainer.losses import (
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import TrainerSettings
+from clawrl.trainer.tenants import adapter_of
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +118,7 @@ class Trainer:
         self.uncommitted: set[str] = set()  # trained in steps not durable yet
         self.pending_acks: list[str] = []  # entries of those steps
         self.unannounced: VersionReady | None = None
+        self.unannounced_tenants: list[VersionReady] = []  # tenants' exports, per-tenant mode
 
     async def resume(self) -> None:
         """Load the newest durable state, if any, and re-announce its version if needed."""
@@ -123,6 +132,8 @@ class Trainer:
         self.trained = TrainedIds(state.trained_ids, self.settings.consumer.dedupe_window)
         self.metrics.policy_version.set(state.policy_version)
         self.metrics.step.set(state.step)
+        if self.intake.queues is not None:  # the tenants that have an adapter already
+            self.intake.queues.owners = {t for t in state.tenant_steps if t != SHARED}
         log.info("resumed from %s: step %d, policy version %d, %d trained ids",
                  path, state.step, state.policy_version, len(state.trained_ids))  # fmt: skip
         if state.policy_version:
@@ -139,8 +150,9 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
         while not stop.is_set():
+            current = self.state.policy_version if self.intake.queues is None else self._version_of
             collected = await self.intake.next_batch(
-                self.state.policy_version, self.trained.__contains__, self.uncommitted, stop,
+                current, self.trained.__contains__, self.uncommitted, stop,
                 block_ms=self.settings.consumer.block_ms,
             )  # fmt: skip
             if collected is None:
@@ -153,14 +165,18 @@ class Trainer:
         """Train one collected batch; None when the backend could not train it (its entries
         are then dead-lettered with the error, and the stream goes on)."""
         started = time.perf_counter()
-        version_at_start = self.state.policy_version
+        per_tenant = self.intake.queues is not None
+        adapter = collected.tenant
+        version_at_start = self._current(adapter)
         batch = collate([h.sample for h in collected.held])
         entry_ids = [h.entry.entry_id for h in collected.held]
         # Counted before the backend sees the batch: if it kills the backend (or the whole
         # trainer), the restart knows, and splits the batch instead of dying on it forever.
         await self.intake.unfinished.begin(entry_ids)
         try:
-            figures = await self._optimize(batch)
+            if per_tenant:
+                await self.backend.call("use_adapter", adapter)
+            figures = await self._optimize(batch, version_at_start)
         except BackendLost as exc:
             # No model left: restart from the last state (the entries stay pending).
             log.error("the backend was lost on step %d with %d samples (%s): %s",
@@ -178,10 +194,18 @@ class Trainer:
         self.pending_acks += [h.entry.entry_id for h in collected.held] + collected.ack_with_step
 
         exported = self.state.step % self.settings.checkpoint.sync_interval == 0
+        if per_tenant:  # each adapter exports every sync_interval steps of its own
+            adapter_steps = self.state.tenant_steps.get(adapter, 0) + 1
+            self.state.tenant_steps[adapter] = adapter_steps
+            exported = adapter_steps % self.settings.checkpoint.sync_interval == 0
+            self.metrics.tenant_steps.labels(adapter).inc()
         try:
             if exported:
                 export_started = time.perf_counter()
-                await self.export(self.state.policy_version + 1)
+                if adapter == SHARED:
+                    await self.export(self.state.policy_version + 1)
+                else:
+                    await self.export_tenant(adapter)
                 figures["export_s"] = time.perf_counter() - export_started
             if exported or self.state.step % self.settings.checkpoint.state_interval == 0:
                 commit_started = time.perf_counter()
@@ -198,10 +222,22 @@ class Trainer:
         tokens = int(batch.lengths.sum())
         figures["tokens_per_second"] = tokens / figures["step_s"]
         self._observe(collected, batch, figures, tokens, version_at_start)
-        return StepReport(self.state.step, self.state.policy_version, batch.sample_ids, figures,
+        return StepReport(self.state.step, self._current(adapter), batch.sample_ids, figures,
                           exported)  # fmt: skip
 
-    async def _optimize(self, batch) -> dict[str, float]:
+    def _current(self, adapter: str) -> int:
+        """The version an adapter's samples are measured against (SHARED: the policy's)."""
+        if adapter == SHARED:
+            return self.state.policy_version
+        return self.state.tenant_versions.get(adapter, 0)
+
+    def _version_of(self, sample: Sample) -> int:
+        """Per-tenant mode: the version of the adapter `sample` would train."""
+        return self._current(
+            adapter_of(sample.tenant, self.settings.tenants, self.intake.queues.owners)
+        )
+
+    async def _optimize(self, batch, version: int) -> dict[str, float]:
         """Old (and reference) log-probs, advantages, one optimizer step -> the step's figures."""
         started = time.perf_counter()
         cfg = self.settings.ppo.loss_config()
@@ -219,7 +255,7 @@ class Trainer:
             self.settings.advantage_config(),
         )  # fmt: skip
         cap = cfg.tis_cap if cfg.off_policy_correction == "tis" else math.inf  # "none": no cap
-        figures = batch_figures(batch, old_logp, advantages, self.state.policy_version, cap)
+        figures = batch_figures(batch, old_logp, advantages, version, cap)
         figures |= await self.backend.call(
             "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
         )
@@ -250,6 +286,26 @@ class Trainer:
         self.state.policy_version = version
         self.unannounced = self._ready(version, path)
 
+    async def export_tenant(self, tenant: str) -> None:
+        """Write the next version of `tenant`'s adapter (the one in use); it is announced once
+        the state that includes it commits."""
+        version = self.state.tenant_versions.get(tenant, 0) + 1
+        tmp = self.store.staging(f"tenant-{tenant}-v{version}")
+        await self.backend.call("export_hf", tmp)
+        path = self.store.commit_tenant_export(tmp, tenant, version)
+        self.state.tenant_versions[tenant] = version
+        self.metrics.tenant_version.labels(tenant).set(version)
+        self.unannounced_tenants.append(
+            VersionReady(
+                version=version,
+                path=self.store.announced_path(path),
+                step=self.state.step,
+                created_at=time.time(),
+                adapter=tenant_adapter(tenant, version),
+                tenant=tenant,
+            )
+        )
+
     async def commit(self) -> None:
         """Make a state durable, then acknowledge its entries and announce its version."""
         self.trained.extend(sorted(self.uncommitted))
@@ -271,6 +327,12 @@ class Trainer:
             if self.sync is not None:
                 # Before the next step changes the weights: they are exactly version N now.
                 await self.sync(ready)
+        tenants_stream = tenant_versions_stream(self.settings.redis.versions_stream)
+        for ready in self.unannounced_tenants:
+            await announce(self.redis, tenants_stream, ready)
+            log.info("announced tenant %s's version %d at %s", ready.tenant, ready.version,
+                     ready.path)  # fmt: skip
+        self.unannounced_tenants = []
 
     def _ready(self, version: int, path) -> VersionReady:
         # What the backend wrote decides how engines load it: a LoRA adapter, or full weights.
