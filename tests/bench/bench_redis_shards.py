@@ -122,7 +122,11 @@ def judge(client, shards: Shards, prefix: str, url: str, judges: int, n: int, wo
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=300)  # a loaded host drains slowly
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     firsts, lasts = [], []
     for name in shards.names(f"{prefix}:samples"):
         if client.xlen(name):
