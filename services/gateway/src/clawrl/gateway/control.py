@@ -95,25 +95,32 @@ class PauseGate:
         self._drained = asyncio.Event()
         self._drained.set()
         self.adapter = adapter
+        # Per-tenant adapters: tenant -> (version, adapter) its requests are admitted under.
+        self.tenant_adapters: dict[str, tuple[int, str]] = {}
         self.set_policy_version(policy_version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version
         self.metrics.policy_version.set(version)
 
-    def switch(self, policy_version: int, adapter: str) -> None:
-        """Admit new work under `adapter` and `policy_version` from now on; no pause, no wait."""
-        self.adapter = adapter
-        self.set_policy_version(policy_version)
+    def switch(self, policy_version: int, adapter: str, tenant: str = "") -> None:
+        """Admit new work under `adapter` and `policy_version` from now on; no pause, no wait.
+        With `tenant`: only that tenant's new work; everyone else's routing stays as it is."""
+        if tenant:
+            self.tenant_adapters[tenant] = (policy_version, adapter)
+        else:
+            self.adapter = adapter
+            self.set_policy_version(policy_version)
         self.metrics.adapter_switches.inc()
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[Admission]:
+    async def admit(self, tenant: str = "") -> AsyncIterator[Admission]:
         """Hold while paused, then count the caller in flight; yields the policy version and
-        adapter the generation runs under."""
+        adapter the generation runs under: the tenant's own when it has one, else the shared."""
         if self.paused:
             await self._hold()
-        admission = Admission(self.policy_version, self.adapter, self.pauses)
+        version, adapter = self.tenant_adapters.get(tenant, (self.policy_version, self.adapter))
+        admission = Admission(version, adapter, self.pauses)
         self.in_flight += 1
         self.in_flight_by_adapter[admission.adapter] += 1
         self._drained.clear()
@@ -261,6 +268,7 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             holder=self.gate.holder,
             adapter=self.gate.adapter,
             in_flight_by_adapter=dict(self.gate.in_flight_by_adapter),
+            tenant_adapters={t: a for t, (_, a) in self.gate.tenant_adapters.items()},
         )
 
     async def Pause(self, request, context):
@@ -315,10 +323,13 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "policy_version must be > 0 and adapter set"
             )
-        previous = (self.gate.policy_version, self.gate.adapter)
-        self.gate.switch(request.policy_version, request.adapter)
+        previous = self.gate.tenant_adapters.get(
+            request.tenant, (self.gate.policy_version, self.gate.adapter)
+        )
+        self.gate.switch(request.policy_version, request.adapter, request.tenant)
         log.info(
-            "switched from v%d (%s) to v%d (adapter %s) with no pause",
+            "switched %s from v%d (%s) to v%d (adapter %s) with no pause",
+            f"tenant {request.tenant}" if request.tenant else "the shared policy",
             previous[0],
             previous[1] or "full weights",
             request.policy_version,

@@ -359,7 +359,7 @@ class ChatService:
         request_id = new_request_id(request.api)
         turn = self._begin_turn(request, request_id)
         try:
-            async with self.gate.admit() as admitted:
+            async with self.gate.admit(request.session.tenant) as admitted:
                 reply = await self.engine.generate(routed(payload, admitted))
             generation = Generation()
             generation.update(reply)
@@ -413,7 +413,7 @@ class ChatService:
         admission = contextlib.AsyncExitStack()
         events = None
         try:
-            admitted = await admission.enter_async_context(self.gate.admit())
+            admitted = await admission.enter_async_context(self.gate.admit(request.session.tenant))
             events = self.engine.generate_stream(routed(payload, admitted))
             first = await anext(events)
         except BaseException as exc:

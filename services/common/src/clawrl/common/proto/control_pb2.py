@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63lawrl/v1/control.proto\x12\tclawrl.v1\"X\n\x0cPauseRequest\x12\x17\n\x0f\x64rain_timeout_s\x18\x01 \x01(\x02\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x02\x12\x0e\n\x06holder\x18\x04 \x01(\t\"]\n\rPauseResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"7\n\rResumeRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06holder\x18\x02 \x01(\t\"L\n\x0eResumeResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"?\n\x14SwitchAdapterRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"A\n\x15SwitchAdapterResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"\x12\n\x10GetStatusRequest\"\xc7\x02\n\rGatewayStatus\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04held\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x14\n\x0cpaused_for_s\x18\x05 \x01(\x01\x12\x12\n\ngateway_id\x18\x06 \x01(\t\x12\x19\n\x11lease_remaining_s\x18\x07 \x01(\x01\x12\x0e\n\x06holder\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\t \x01(\t\x12M\n\x14in_flight_by_adapter\x18\n \x03(\x0b\x32/.clawrl.v1.GatewayStatus.InFlightByAdapterEntry\x1a\x38\n\x16InFlightByAdapterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xa3\x02\n\x0eGatewayControl\x12:\n\x05Pause\x12\x17.clawrl.v1.PauseRequest\x1a\x18.clawrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.clawrl.v1.ResumeRequest\x1a\x19.clawrl.v1.ResumeResponse\x12\x42\n\tGetStatus\x12\x1b.clawrl.v1.GetStatusRequest\x1a\x18.clawrl.v1.GatewayStatus\x12R\n\rSwitchAdapter\x12\x1f.clawrl.v1.SwitchAdapterRequest\x1a .clawrl.v1.SwitchAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63lawrl/v1/control.proto\x12\tclawrl.v1\"X\n\x0cPauseRequest\x12\x17\n\x0f\x64rain_timeout_s\x18\x01 \x01(\x02\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x02\x12\x0e\n\x06holder\x18\x04 \x01(\t\"]\n\rPauseResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"7\n\rResumeRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06holder\x18\x02 \x01(\t\"L\n\x0eResumeResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"O\n\x14SwitchAdapterRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"A\n\x15SwitchAdapterResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.clawrl.v1.GatewayStatus\"\x12\n\x10GetStatusRequest\"\xc5\x03\n\rGatewayStatus\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04held\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x14\n\x0cpaused_for_s\x18\x05 \x01(\x01\x12\x12\n\ngateway_id\x18\x06 \x01(\t\x12\x19\n\x11lease_remaining_s\x18\x07 \x01(\x01\x12\x0e\n\x06holder\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\t \x01(\t\x12M\n\x14in_flight_by_adapter\x18\n \x03(\x0b\x32/.clawrl.v1.GatewayStatus.InFlightByAdapterEntry\x12\x45\n\x0ftenant_adapters\x18\x0b \x03(\x0b\x32,.clawrl.v1.GatewayStatus.TenantAdaptersEntry\x1a\x38\n\x16InFlightByAdapterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x35\n\x13TenantAdaptersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa3\x02\n\x0eGatewayControl\x12:\n\x05Pause\x12\x17.clawrl.v1.PauseRequest\x1a\x18.clawrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.clawrl.v1.ResumeRequest\x1a\x19.clawrl.v1.ResumeResponse\x12\x42\n\tGetStatus\x12\x1b.clawrl.v1.GetStatusRequest\x1a\x18.clawrl.v1.GatewayStatus\x12R\n\rSwitchAdapter\x12\x1f.clawrl.v1.SwitchAdapterRequest\x1a .clawrl.v1.SwitchAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._loaded_options = None
   _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._serialized_options = b'8\001'
+  _globals['_GATEWAYSTATUS_TENANTADAPTERSENTRY']._loaded_options = None
+  _globals['_GATEWAYSTATUS_TENANTADAPTERSENTRY']._serialized_options = b'8\001'
   _globals['_PAUSEREQUEST']._serialized_start=38
   _globals['_PAUSEREQUEST']._serialized_end=126
   _globals['_PAUSERESPONSE']._serialized_start=128
@@ -43,15 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMERESPONSE']._serialized_start=280
   _globals['_RESUMERESPONSE']._serialized_end=356
   _globals['_SWITCHADAPTERREQUEST']._serialized_start=358
-  _globals['_SWITCHADAPTERREQUEST']._serialized_end=421
-  _globals['_SWITCHADAPTERRESPONSE']._serialized_start=423
-  _globals['_SWITCHADAPTERRESPONSE']._serialized_end=488
-  _globals['_GETSTATUSREQUEST']._serialized_start=490
-  _globals['_GETSTATUSREQUEST']._serialized_end=508
-  _globals['_GATEWAYSTATUS']._serialized_start=511
-  _globals['_GATEWAYSTATUS']._serialized_end=838
-  _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._serialized_start=782
-  _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._serialized_end=838
-  _globals['_GATEWAYCONTROL']._serialized_start=841
-  _globals['_GATEWAYCONTROL']._serialized_end=1132
+  _globals['_SWITCHADAPTERREQUEST']._serialized_end=437
+  _globals['_SWITCHADAPTERRESPONSE']._serialized_start=439
+  _globals['_SWITCHADAPTERRESPONSE']._serialized_end=504
+  _globals['_GETSTATUSREQUEST']._serialized_start=506
+  _globals['_GETSTATUSREQUEST']._serialized_end=524
+  _globals['_GATEWAYSTATUS']._serialized_start=527
+  _globals['_GATEWAYSTATUS']._serialized_end=980
+  _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._serialized_start=869
+  _globals['_GATEWAYSTATUS_INFLIGHTBYADAPTERENTRY']._serialized_end=925
+  _globals['_GATEWAYSTATUS_TENANTADAPTERSENTRY']._serialized_start=927
+  _globals['_GATEWAYSTATUS_TENANTADAPTERSENTRY']._serialized_end=980
+  _globals['_GATEWAYCONTROL']._serialized_start=983
+  _globals['_GATEWAYCONTROL']._serialized_end=1274
 # @@protoc_insertion_point(module_scope)

@@ -46,12 +46,14 @@ class ResumeResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ..., status: _Optional[_Union[GatewayStatus, _Mapping]] = ...) -> None: ...
 
 class SwitchAdapterRequest(_message.Message):
-    __slots__ = ("policy_version", "adapter")
+    __slots__ = ("policy_version", "adapter", "tenant")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     adapter: str
-    def __init__(self, policy_version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, policy_version: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SwitchAdapterResponse(_message.Message):
     __slots__ = ("status",)
@@ -64,7 +66,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("paused", "in_flight", "held", "policy_version", "paused_for_s", "gateway_id", "lease_remaining_s", "holder", "adapter", "in_flight_by_adapter")
+    __slots__ = ("paused", "in_flight", "held", "policy_version", "paused_for_s", "gateway_id", "lease_remaining_s", "holder", "adapter", "in_flight_by_adapter", "tenant_adapters")
     class InFlightByAdapterEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,13 @@ class GatewayStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantAdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +91,7 @@ class GatewayStatus(_message.Message):
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_BY_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     in_flight: int
     held: int
@@ -92,4 +102,5 @@ class GatewayStatus(_message.Message):
     holder: str
     adapter: str
     in_flight_by_adapter: _containers.ScalarMap[str, int]
-    def __init__(self, paused: _Optional[bool] = ..., in_flight: _Optional[int] = ..., held: _Optional[int] = ..., policy_version: _Optional[int] = ..., paused_for_s: _Optional[float] = ..., gateway_id: _Optional[str] = ..., lease_remaining_s: _Optional[float] = ..., holder: _Optional[str] = ..., adapter: _Optional[str] = ..., in_flight_by_adapter: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tenant_adapters: _containers.ScalarMap[str, str]
+    def __init__(self, paused: _Optional[bool] = ..., in_flight: _Optional[int] = ..., held: _Optional[int] = ..., policy_version: _Optional[int] = ..., paused_for_s: _Optional[float] = ..., gateway_id: _Optional[str] = ..., lease_remaining_s: _Optional[float] = ..., holder: _Optional[str] = ..., adapter: _Optional[str] = ..., in_flight_by_adapter: _Optional[_Mapping[str, int]] = ..., tenant_adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
