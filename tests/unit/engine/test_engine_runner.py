@@ -179,3 +179,24 @@ def test_prefill_chunks_and_decode_steps_write_into_the_kv_in_place(runner):
     merged = [layer.keys.data_ptr() for layer in kv.cache.layers]
     runner.decode(kv, torch.tensor([10, 11]))
     assert [layer.keys.data_ptr() for layer in kv.cache.layers] == merged
+
+
+@torch.inference_mode()
+def test_a_chunk_after_cached_tokens_attends_without_repeating_the_kv(runner, monkeypatch):
+    """Grouped-query attention over a prefill chunk runs each KV head's query heads against it
+    once (grouped_sdpa): transformers' repeat_kv, a copy of the whole KV per query head, chunk
+    and layer, is never called, and the numbers are those of one pass."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    assert runner.config.num_attention_heads > runner.config.num_key_value_heads
+    prompt = list(range(300, 380))
+    whole = runner.extend(None, 0, prompt)
+
+    def refuse(*_):
+        raise AssertionError("repeat_kv copied the KV")
+
+    monkeypatch.setattr(sdpa, "repeat_kv", refuse)
+    first = runner.extend(None, 0, prompt[:30])
+    rest = runner.extend(first.cache, 30, prompt[30:])
+    assert torch.allclose(rest.hidden, whole.hidden[30:], atol=1e-5)
+    assert torch.allclose(rest.last_logits, whole.last_logits, atol=1e-5)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from clawrl.common.models import stretch_config
 from clawrl.engine.cpu.adapters import PreparedAdapter
@@ -38,6 +40,39 @@ TopLogprobs = list[tuple[float, int]]
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot replace the running weights (bad path, names or shapes)."""
+
+
+def grouped_sdpa(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs
+):
+    """transformers' SDPA attention, except a masked pass over several tokens (a prefill chunk
+    after cached ones) with grouped-query attention: each KV head's query heads run as one
+    longer query against that head, the mask repeated along it, where transformers repeats the
+    keys and values once per query head (a copy of 3x the whole KV per chunk and layer for
+    SmolLM2). Same sums in the same order, so the same numbers.
+
+    query: [B, H, q, D]; key, value: [B, H_kv, kv, D]; attention_mask: [B, 1, q, kv] bool."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, length, dim = query.shape
+    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    plain = groups == 1 or length == 1 or attention_mask is None or dropout or extras
+    if plain or attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    mask = attention_mask.expand(batch, 1, length, kv_length)[:, :, None]
+    mask = mask.expand(batch, 1, groups, length, kv_length).reshape(batch, 1, -1, kv_length)
+    out = F.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups * length, dim), key, value, mask, scale=scaling
+    )
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+# The engine's attention implementation: SDPA's, with grouped_sdpa for prefill chunks.
+ATTENTION = "clawrl_grouped_sdpa"
+AttentionInterface.register(ATTENTION, grouped_sdpa)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class RoomyLayer(DynamicLayer):
@@ -198,7 +233,7 @@ class ModelRunner:
         config = AutoConfig.from_pretrained(str(model_dir))
         self.long_context = stretch_config(config, context_length, rope_scaling)
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), config=config, dtype=self.dtype
+            str(model_dir), config=config, dtype=self.dtype, attn_implementation=ATTENTION
         )
         model.eval()
         # from_pretrained leaves the weights on a private mapping of the safetensors file, so
