@@ -7,6 +7,7 @@ other one, waits until it is mid-turn / mid-step / holding the gateways paused),
 trained twice, waiting, dead letters, versions, kills) and what went wrong; asserts nothing.
 
     .venv/bin/python tests/bench/bench_chaos.py [--seeds 0 1 2] [--sessions 24] [--turns 8]
+    .venv/bin/python tests/bench/bench_chaos.py --seeds 0 --shards 3   # streams in 3 shards
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> int:
     parser.add_argument("--judge-kills", type=int, default=3)
     parser.add_argument("--trainer-kills", type=int, default=3)
     parser.add_argument("--launcher-kills", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=1, help="redis.stream_shards")
     parser.add_argument("--keep", action="store_true", help="keep each run's directory (logs)")
     args = parser.parse_args()
     lines = []
@@ -54,7 +56,7 @@ def main() -> int:
         plan = Plan(seed=seed, sessions=args.sessions, turns=args.turns, concurrency=4,
                     think_s=(0.5, 1.5), judge_kills=args.judge_kills,
                     trainer_kills=args.trainer_kills, launcher_kills=args.launcher_kills,
-                    settle_s=300)  # fmt: skip
+                    shards=args.shards, settle_s=300)  # fmt: skip
         workdir = Path(tempfile.mkdtemp(prefix=f"clawrl-chaos-{seed}-"))
         started = time.monotonic()
         tallies, found = run(workdir, plan)
@@ -68,7 +70,7 @@ def main() -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         lines.append(line)
-    print("\n".join(["", "fault injection over seeds:", *lines]))
+    print("\n".join(["", f"fault injection over seeds ({args.shards} shard(s)):", *lines]))
     return 0
 
 

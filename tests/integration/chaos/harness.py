@@ -36,6 +36,7 @@ import redis
 from clawrl.common.proto import control_pb2, control_pb2_grpc
 from clawrl.common.proto.records_pb2 import MaskReason
 from clawrl.common.records import Sample, Turn, decode_entry
+from clawrl.common.shards import Shards
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.samples import is_trainable
 from tests.conftest import REPO, VENV_BIN, free_port, start_redis
@@ -70,6 +71,7 @@ class Plan:
     # Versions a sample may lag and still be trained: high, so that every trainable sample must
     # be trained (a restarting trainer falls far behind the load on this host).
     max_staleness: int = 200
+    shards: int = 1  # redis.stream_shards: the data plane's streams split by session
 
 
 class Service:
@@ -168,8 +170,12 @@ class Stack:
         self.gateway_urls: list[str] = []
         self.controls: list[str] = []
         self._channels: list[grpc.Channel] = []
+        shards = Shards(plan.shards)
+        self.turns, self.samples = shards.names(TURNS), shards.names(SAMPLES)
+        self.dead = shards.names(DEAD)
         common = {"CLAWRL_CONFIG": "/nonexistent/clawrl.toml", "CLAWRL_REDIS__URL": self.redis_url,
-                  "CLAWRL_TRAIN__NUM_THREADS": "1"}  # fmt: skip
+                  "CLAWRL_TRAIN__NUM_THREADS": "1",
+                  "CLAWRL_REDIS__STREAM_SHARDS": str(plan.shards)}  # fmt: skip
         self.engine_url = self._add(
             "engine",
             [str(VENV_BIN / "clawrl-engine"), "--host", "127.0.0.1", "--model", MODEL,
@@ -265,11 +271,8 @@ class Stack:
         trainer inside a step, the launcher's sync job running ("syncing") or holding the
         gateways paused ("paused")."""
         if kind == "judge":
-            with contextlib.suppress(redis.ResponseError):
-                for consumer in self.redis.xinfo_consumers(TURNS, "judges"):
-                    if consumer["name"] == JUDGE_CONSUMER.encode() and consumer["pending"]:
-                        return "judging"
-            return ""
+            groups = [g for t in self.turns for g in stream_groups(self.redis, t)]
+            return "judging" if any(g["pending"] for g in groups) else ""
         if kind == "trainer":
             return "step" if self.redis.hlen(UNFINISHED) else ""
         for channel in self._channels:
@@ -310,6 +313,12 @@ def marked_processes(workdir: Path) -> list[int]:
             if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 found.append(int(pid))
     return found
+
+
+def stream_groups(r: redis.Redis, stream: str) -> list[dict]:
+    """The stream's consumer groups; none while it does not exist (no session hashed to its
+    shard yet)."""
+    return r.xinfo_groups(stream) if r.exists(stream) else []
 
 
 def trainer_state(checkpoints: Path) -> dict | None:
@@ -463,21 +472,26 @@ def retracted(log_path: Path) -> int:
 def tally(stack: Stack, plan: Plan, load: Load, kills: list[Kill]) -> dict[str, object]:
     """Everything the run must account for, from Redis and the trainer's durable state."""
     r = stack.redis
-    turns = [decode_entry(f, Turn) for _, f in r.xrange(TURNS)]
-    samples = [decode_entry(f, Sample) for _, f in r.xrange(SAMPLES)]
+    turns = [decode_entry(f, Turn) for stream in stack.turns for _, f in r.xrange(stream)]
+    # (shard, entry id) -> sample
+    entries = {(k, e): decode_entry(f, Sample) for k, stream in enumerate(stack.samples)
+               for e, f in r.xrange(stream)}  # fmt: skip
+    samples = list(entries.values())
     recorded = {(t.session_id, t.turn_index) for t in turns}
     turn_ids = Counter(t.turn_id for t in turns)
     sample_ids = Counter(s.sample_id for s in samples)
     trainable = {s.sample_id for s in samples if is_trainable(s)}
     state = trainer_state(stack.checkpoints) or {"samples_trained": 0, "trained_ids": []}
     trained = set(state["trained_ids"])
-    pending = {e["message_id"] for e in r.xpending_range(SAMPLES, "trainers", "-", "+", 100_000)}
+    pending = {(k, e["message_id"]) for k, stream in enumerate(stack.samples)
+               if stream_groups(r, stream)
+               for e in r.xpending_range(stream, "trainers", "-", "+", 100_000)}  # fmt: skip
     drops = trainer_drops(stack.services["trainer"].log_path)
     dropped = {i: drops[i] for i in trainable - trained if i in drops}
-    waiting_entries = {e: s for (e, _), s in zip(r.xrange(SAMPLES), samples, strict=True)
+    waiting_entries = {e: s for e, s in entries.items()
                        if s.sample_id in trainable - trained - set(dropped)}  # fmt: skip
     dead = [{k.decode(): v.decode(errors="replace")[:200] for k, v in f.items() if k != b"data"}
-            for _, f in r.xrange(DEAD)]  # fmt: skip
+            for stream in stack.dead for _, f in r.xrange(stream)]  # fmt: skip
     masked = Counter(MaskReason.Name(s.mask_reason) for s in samples if s.mask_reason)
     return {
         "served": len(load.served),
@@ -565,10 +579,11 @@ def settle(stack: Stack, plan: Plan) -> None:
     deadline = time.monotonic() + plan.settle_s
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.RedisError):
-            judged = not stack.redis.xpending(TURNS, "judges")["pending"] and all(
-                not g["lag"] for g in stack.redis.xinfo_groups(TURNS)
+            r = stack.redis
+            judged = all(
+                not g["pending"] and not g["lag"] for t in stack.turns for g in stream_groups(r, t)
             )
-            samples_read = all(not g["lag"] for g in stack.redis.xinfo_groups(SAMPLES))
+            samples_read = all(not g["lag"] for s in stack.samples for g in stream_groups(r, s))
             if judged and samples_read and not stack.redis.hlen(UNFINISHED):
                 if converged(stack.versions()):
                     return
