@@ -10,6 +10,8 @@ from redis.asyncio import Redis
 
 from clawrl.common.tenants import tenant_versions_stream
 from clawrl.common.versions import VersionReady
+from clawrl.trainer.main import main
+from clawrl.trainer.tenants import tenant_rows
 
 from .helpers import counter, make_sample, pending, publish_all, settings_for, start_trainer
 from .test_trainer_stream import NO_STOP
@@ -43,7 +45,9 @@ async def announced(client: Redis, stream: str) -> list[tuple[str, int, str]]:
     return [(r.tenant, r.version, r.adapter) for r in entries]
 
 
-async def test_each_tenant_trains_its_own_adapter_in_turn(redis, redis_url, tmp_path) -> None:
+async def test_each_tenant_trains_its_own_adapter_in_turn(
+    redis, redis_url, tmp_path, capsys
+) -> None:
     settings = settings_for(redis_url, tmp_path, **SECTIONS)
     trainer = await start_trainer(settings, redis)
     order = ["alice", "bob", "alice", "", "alice", "alice", "bob", "", "carol", "carol"]
@@ -84,3 +88,14 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(redis, redis_url, tmp_
     assert restarted.state.tenant_versions == {"alice": 2, "bob": 1}
     assert restarted.state.policy_version == 2
     assert restarted.intake.queues.owners == {"alice", "bob"}
+
+    # `clawrl-trainer tenants` lists them from the newest durable state.
+    assert tenant_rows(restarted.state, restarted.store) == [
+        ("-", 2, 2, str(tmp_path / "policy" / "v2")),
+        ("alice", 2, 2, str(tmp_path / "policy" / "tenant-alice" / "v2")),
+        ("bob", 1, 1, str(tmp_path / "policy" / "tenant-bob" / "v1")),
+    ]
+    capsys.readouterr()
+    main(["tenants", "--checkpoint-dir", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[:3] == ["alice", "2", "2"] and len(lines) == 4

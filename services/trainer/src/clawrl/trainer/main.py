@@ -1,5 +1,7 @@
 """`clawrl-trainer`: read the settings (flags override env and clawrl.toml), configure logging,
 run the trainer until SIGTERM/SIGINT (the step in progress commits first).
+`clawrl-trainer tenants [flags]` lists the tenants of the newest durable state with their steps
+and adapter versions (`[tenants] mode = "per_tenant"`), and exits.
 
 Locally it starts its own Ray runtime; as a KubeRay RayJob entrypoint it joins the cluster
 (`--ray-address auto`, or ray.address in the settings).
@@ -11,11 +13,13 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from clawrl.common.logs import configure_logging
 from clawrl.trainer.driver import connect
 from clawrl.trainer.service import BackgroundTask, serve
 from clawrl.trainer.settings import TrainerSettings
+from clawrl.trainer.tenants import print_tenants
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,10 @@ async def run(settings: TrainerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tenants"]:
+        print_tenants(settings_from(parse_args(argv[1:])))
+        return
     settings = settings_from(parse_args(argv))
     configure_logging(settings.logging, "trainer")
     asyncio.run(run(settings))

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from clawrl.common.tenants import SHARED, TenantSettings
+from clawrl.trainer.checkpoints import CheckpointStore, TrainerState
+from clawrl.trainer.settings import TrainerSettings
 
 T = TypeVar("T")
 
@@ -76,3 +78,36 @@ class TenantQueues(Generic[T]):
     def held(self) -> list[T]:
         """Every item waiting, in no particular order."""
         return [item for queue in self.queues.values() for item in queue]
+
+
+# --- `clawrl-trainer tenants` --------------------------------------------------------------------
+
+
+def tenant_rows(
+    state: TrainerState | None, store: CheckpointStore
+) -> list[tuple[str, int, int, str]]:
+    """(tenant, steps, version, export path) of every tenant in the newest durable state, the
+    shared policy first (tenant "-"); an export path is "" until the first export."""
+    if state is None:
+        return []
+    shared = state.policy_version
+    shared_path = str(store.policies / f"v{shared}") if shared else ""
+    rows = [("-", state.tenant_steps.get(SHARED, state.step), shared, shared_path)]
+    for tenant in sorted(set(state.tenant_steps) - {SHARED}):
+        version = state.tenant_versions.get(tenant, 0)
+        path = store.policies / f"tenant-{tenant}" / f"v{version}"
+        rows.append((tenant, state.tenant_steps[tenant], version, str(path) if version else ""))
+    return rows
+
+
+def print_tenants(settings: TrainerSettings) -> None:
+    """The table `clawrl-trainer tenants` prints."""
+    store = CheckpointStore(settings.checkpoint)
+    found = store.latest_state()
+    rows = tenant_rows(found[0] if found else None, store)
+    if not rows:
+        print(f"no durable state in {store.root}: nothing trained yet")
+        return
+    print(f"{'tenant':<20} {'steps':>6} {'version':>8}  export")
+    for tenant, steps, version, path in rows:
+        print(f"{tenant:<20} {steps:>6} {version:>8}  {path or '-'}")
