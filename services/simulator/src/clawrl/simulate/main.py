@@ -21,10 +21,11 @@ import uuid
 from pathlib import Path
 
 import openai
-from redis.asyncio import Redis
 
 from clawrl.common.proto.records_pb2 import Sample
 from clawrl.common.records import RecordError, decode_entry
+from clawrl.common.redis_client import connect
+from clawrl.common.settings import RedisSettings
 from clawrl.simulate.evaluation import (
     EvalError,
     HeldOutScore,
@@ -106,6 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "version's LoRA adapter policy-vN, so no sync can split one (LoRA runs only)",
     )
     sim.add_argument("--samples-stream", default="clawrl:samples", help="samples stream")
+    sim.add_argument(
+        "--stream-shards", type=int, default=1, help="the stack's [redis] stream_shards"
+    )
+    sim.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the stack's Redis is a cluster ([redis] cluster)",
+    )
     sim.add_argument("--settle-s", type=float, default=10.0, help="wait for the judge at the end")
     sim.add_argument("--out-dir", type=Path, default=Path("run/simulate"), help="CSV + PNG here")
     ev = commands.add_parser(
@@ -122,17 +131,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def judged_rewards(
-    redis_url: str, stream: str, prefix: str, expected: int, settle_s: float
+    settings: RedisSettings, stream: str, prefix: str, expected: int, settle_s: float
 ) -> list[tuple[int, float]]:
-    """(policy version, reward) of the judged samples of this run's sessions; waits up to
-    settle_s for the judge to catch up with `expected` samples. Masked samples carry no reward
-    and are left out."""
-    redis = Redis.from_url(redis_url)
+    """(policy version, reward) of the judged samples of this run's sessions, read from every
+    shard of the samples stream; waits up to settle_s for the judge to catch up with `expected`
+    samples. Masked samples carry no reward and are left out."""
+    redis = connect(settings)
+    streams = settings.shards().names(stream)
     deadline = time.monotonic() + settle_s
     try:
         while True:
             samples = []
-            for _, fields in await redis.xrange(stream):
+            entries = [entry for name in streams for entry in await redis.xrange(name)]
+            for _, fields in entries:
                 try:
                     sample = decode_entry(fields, Sample)
                 except RecordError:
@@ -243,8 +254,11 @@ async def simulate(args: argparse.Namespace) -> int:
         await following
     rewards = []
     if args.redis_url:
+        store = RedisSettings(
+            url=args.redis_url, cluster=args.redis_cluster, stream_shards=args.stream_shards
+        )
         rewards = await judged_rewards(
-            args.redis_url, args.samples_stream, f"sim-{run_id}-", len(progress.outcomes),
+            store, args.samples_stream, f"sim-{run_id}-", len(progress.outcomes),
             args.settle_s,
         )  # fmt: skip
     stats = per_version(progress.outcomes, rewards, list(evaluator.found.values()))
