@@ -21,7 +21,7 @@ RUN_REWARD_FN ?= clawrl.judge.reward_examples:stated_preference
 RUN_ARGS ?=
 
 # RUN_ARGS="--engine sglang" serves with real SGLang (set up first, as by make setup-sglang).
-run: setup  ## the whole learning loop locally on CPU, 16k context (flags: RUN_ARGS="--help")
+run: setup  ## the whole learning loop locally on CPU, 16k context (RUN_ARGS="--help"; "--engine sglang")
 	$(if $(findstring sglang,$(RUN_ARGS)),bash scripts/setup-sglang.sh >/dev/null)
 	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
 
