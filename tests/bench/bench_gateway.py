@@ -206,8 +206,11 @@ async def load(
     bodies: list[dict],
     headers: dict[str, str],
     concurrency: int,
+    failure_marks: tuple[bytes, ...] = (),
 ) -> tuple[list[float], float]:
-    """Send every body with `concurrency` workers; (per-request seconds, wall seconds)."""
+    """Send every body with `concurrency` workers, reading streams to their end; (per-request
+    seconds, wall seconds). A status other than 200, or one of `failure_marks` in the last
+    bytes (a stream that failed after its 200), stops the run."""
     latencies: list[float] = []
     queue = list(reversed(bodies))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -217,10 +220,12 @@ async def load(
             while queue:
                 body = queue.pop()
                 start = time.perf_counter()
-                response = await client.post(url, json=body, headers=headers)
+                async with client.stream("POST", url, json=body, headers=headers) as response:
+                    payload = await response.aread()
                 latencies.append(time.perf_counter() - start)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:200]}")
+                tail = payload[-400:]
+                if response.status_code != 200 or any(mark in tail for mark in failure_marks):
+                    raise RuntimeError(f"{url}: {response.status_code} {tail!r}")
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # instant_engine
-from tests.bench.bench_gateway import MODEL, QUESTIONS, Stack, percentile
+from tests.bench.bench_gateway import MODEL, QUESTIONS, Stack, load, percentile
 
 MAX_TOKENS = 6
 BATCH = 10  # requests of one route in a row at one client, before the next route's
@@ -56,32 +56,6 @@ FAILED = (b'data: {"error"', b"event: error", b"event: response.failed")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
-async def load(
-    url: str, requests: list[dict], headers: dict[str, str], concurrency: int
-) -> tuple[list[float], float]:
-    """Send every body with `concurrency` workers, reading streams to their end; (per-request
-    seconds, wall seconds)."""
-    latencies: list[float] = []
-    queue = list(reversed(requests))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-
-        async def worker() -> None:
-            while queue:
-                body = queue.pop()
-                start = time.perf_counter()
-                async with client.stream("POST", url, json=body, headers=headers) as response:
-                    payload = await response.aread()
-                latencies.append(time.perf_counter() - start)
-                tail = payload[-400:]
-                if response.status_code != 200 or any(mark in tail for mark in FAILED):
-                    raise RuntimeError(f"{url}: {response.status_code} {tail!r}")
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - start
-
-
 async def run(args: argparse.Namespace, gateway_url: str) -> None:
     targets = {}  # name -> (url, bodies, headers)
     chat_of = {}  # name -> the chat-completions target of the same kind
@@ -98,14 +72,14 @@ async def run(args: argparse.Namespace, gateway_url: str) -> None:
                     headers,
                 )
     for url, requests, headers in targets.values():  # warm every path up
-        await load(url, requests[: args.concurrency * 2], headers, args.concurrency)
+        await load(url, requests[: args.concurrency * 2], headers, args.concurrency, FAILED)
     loaded: dict[str, tuple[list[float], float, int]] = {name: ([], 0.0, 0) for name in targets}
     serial: dict[str, list[float]] = {name: [] for name in targets}
     # Rounds interleave the routes so drift (other load on the host) hits them alike; at one
     # client the three routes of a kind take turns every BATCH requests.
     for _ in range(args.rounds):
         for name, (url, requests, headers) in targets.items():
-            latencies, wall = await load(url, requests, headers, args.concurrency)
+            latencies, wall = await load(url, requests, headers, args.concurrency, FAILED)
             before = loaded[name]
             loaded[name] = (before[0] + latencies, before[1] + wall, before[2] + len(requests))
         async with httpx.AsyncClient(timeout=120) as client:
