@@ -15,11 +15,8 @@ from aiohttp import web
 from anthropic.types import Message
 from openai.types.responses import Response
 
-from clawrl.common.sglang_client import SGLangClient
 from clawrl.gateway.anthropic_messages import MessageEvents, message_object, parse_messages_request
-from clawrl.gateway.control import PauseGate
 from clawrl.gateway.errors import InvalidRequest, Overloaded, Unauthorized, to_anthropic
-from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.openai_responses import (
     ResponseEvents,
     continued,
@@ -30,8 +27,9 @@ from clawrl.gateway.openai_responses import (
 from clawrl.gateway.protocol import parse_chat_request
 from clawrl.gateway.serving import ChatService
 from clawrl.gateway.sessions import history_hashes
-from tests.scripted_engine import scripted_engine, sse
+from tests.scripted_engine import sse
 from tests.sdk_events import RESPONSE_EVENTS, validate_event
+from tests.unit.gateway.test_gateway_serving_core import scripted_service
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -307,13 +305,6 @@ def test_anthropic_error_shapes():
 # --- the formats, from the serving core ---------------------------------------------------
 
 
-class FakeRenderer:
-    eos_token_ids = [2]
-
-    def render_ids(self, messages, tools=None):
-        return list(range(10, 10 + 3 * len(messages)))
-
-
 def engine_events(text: str, finish: str) -> list[dict]:
     return [
         {
@@ -342,19 +333,7 @@ async def service():
                     return web.json_response(events[-1])
                 return await sse(request, events)
 
-            url = await stack.enter_async_context(scripted_engine({"/generate": generate}))
-            engine = SGLangClient(url)
-            stack.push_async_callback(engine.aclose)
-            metrics = GatewayMetrics()
-            return ChatService(
-                renderer=FakeRenderer(),
-                engine=engine,
-                gate=PauseGate(metrics, hold_timeout_s=1, retry_after_s=1),
-                metrics=metrics,
-                recorder=None,
-                model_name="m",
-                context_length=8192,
-            )
+            return await scripted_service(stack, generate)
 
         yield make
 

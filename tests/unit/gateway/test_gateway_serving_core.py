@@ -71,23 +71,29 @@ async def service():
     async with contextlib.AsyncExitStack() as stack:
 
         async def make(text: str = OUTPUT, context_length: int = 8192) -> ChatService:
-            url = await stack.enter_async_context(
-                scripted_engine({"/generate": generate_route(text)})
-            )
-            engine = SGLangClient(url)
-            stack.push_async_callback(engine.aclose)
-            metrics = GatewayMetrics()
-            return ChatService(
-                renderer=FakeRenderer(),
-                engine=engine,
-                gate=PauseGate(metrics, hold_timeout_s=1, retry_after_s=1),
-                metrics=metrics,
-                recorder=None,
-                model_name="m",
-                context_length=context_length,
-            )
+            return await scripted_service(stack, generate_route(text), context_length)
 
         yield make
+
+
+async def scripted_service(
+    stack: contextlib.AsyncExitStack, generate, context_length: int = 8192
+) -> ChatService:
+    """A ChatService (no recorder) in front of a scripted engine whose /generate is
+    `generate`; both are closed with `stack`."""
+    url = await stack.enter_async_context(scripted_engine({"/generate": generate}))
+    engine = SGLangClient(url)
+    stack.push_async_callback(engine.aclose)
+    metrics = GatewayMetrics()
+    return ChatService(
+        renderer=FakeRenderer(),
+        engine=engine,
+        gate=PauseGate(metrics, hold_timeout_s=1, retry_after_s=1),
+        metrics=metrics,
+        recorder=None,
+        model_name="m",
+        context_length=context_length,
+    )
 
 
 def request(**body):
