@@ -177,6 +177,7 @@ class PauseGate:
             self.holder = holder
             self._resumed.clear()
             self.metrics.paused.set(1)
+            self.metrics.pauses.inc()
         self._lease(lease_s or self.default_lease_s)
         try:
             await asyncio.wait_for(self._drained.wait(), drain_timeout_s)

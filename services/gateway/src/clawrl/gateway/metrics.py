@@ -127,6 +127,11 @@ class GatewayMetrics:
         self.paused = Gauge(
             "clawrl_gateway_paused", "1 while paused for a weight sync.", registry=r
         )
+        self.pauses = Counter(
+            "clawrl_gateway_pauses_total",
+            "Pauses begun for a weight sync (lease renewals not counted).",
+            registry=r,
+        )
         self.held = Gauge(
             "clawrl_gateway_held_requests", "Requests waiting for Resume now.", registry=r
         )
