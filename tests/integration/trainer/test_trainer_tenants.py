@@ -52,7 +52,12 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(
     trainer = await start_trainer(settings, redis)
     order = ["alice", "bob", "alice", "", "alice", "alice", "bob", "", "carol", "carol"]
     samples = [
-        make_sample(f"{tenant or 'shared'}:{i}", [10 + i, 11], tenant=tenant)
+        make_sample(
+            f"{tenant or 'shared'}:{i}",
+            [10 + i, 11],
+            tenant=tenant,
+            reward=0.5 if tenant == "bob" else 1.0,
+        )
         for i, tenant in enumerate(order)
     ]
     await publish_all(redis, settings, samples)
@@ -67,7 +72,16 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(
     assert await pending(redis, settings) == 0  # every sample trained once and acknowledged
     assert counter(trainer, "clawrl_trainer_tenant_overflow_samples_total") == 2
     assert counter(trainer, "clawrl_trainer_tenant_steps_total", tenant="alice") == 2
-    assert counter(trainer, "clawrl_trainer_tenant_steps_total", tenant="") == 2
+    assert counter(trainer, "clawrl_trainer_tenant_steps_total", tenant="shared") == 2
+    # The dashboard's tenant row: samples, and each adapter's last step's reward and staleness
+    # (alice's second step trained samples of v0 on her v1; bob's one step on his v0).
+    samples = [counter(trainer, "clawrl_trainer_tenant_samples_total", tenant=t)
+               for t in ("alice", "bob", "shared")]  # fmt: skip
+    assert samples == [4, 2, 4]
+    assert counter(trainer, "clawrl_trainer_tenant_reward_mean", tenant="bob") == 0.5
+    assert counter(trainer, "clawrl_trainer_tenant_reward_mean", tenant="alice") == 1.0
+    assert counter(trainer, "clawrl_trainer_tenant_staleness_mean", tenant="alice") == 1
+    assert counter(trainer, "clawrl_trainer_tenant_staleness_mean", tenant="bob") == 0
 
     tenants = tenant_versions_stream(settings.redis.versions_stream)
     assert await announced(redis, tenants) == [

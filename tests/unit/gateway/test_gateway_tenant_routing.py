@@ -37,3 +37,13 @@ async def test_a_tenant_switch_routes_that_tenant_alone(served):
         await service.complete(of("alice"))
     assert seen == ["tenant-alice-v1", "policy-v4", "policy-v4", "policy-v5", "tenant-alice-v1"]
     assert service.gate.tenant_adapters == {"alice": (1, "tenant-alice-v1")}
+    # Counted per tenant served an adapter of its own; every other caller (bob, no tenant) is
+    # "shared", so the label stays bounded by the adapters switched in.
+    registry = service.gate.metrics.registry
+
+    def requests(tenant: str) -> float | None:
+        return registry.get_sample_value("clawrl_gateway_tenant_requests_total", {"tenant": tenant})
+
+    assert (requests("alice"), requests("shared"), requests("bob")) == (2.0, 3.0, None)
+    served_version = "clawrl_gateway_tenant_policy_version"
+    assert registry.get_sample_value(served_version, {"tenant": "alice"}) == 1

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 import grpc
 
 from clawrl.common.grpc_serving import start_with_health
+from clawrl.common.metrics import tenant_label
 from clawrl.common.proto import control_pb2, control_pb2_grpc
+from clawrl.common.tenants import SHARED
 from clawrl.gateway.errors import Overloaded
 from clawrl.gateway.metrics import GatewayMetrics
 
@@ -108,6 +110,7 @@ class PauseGate:
         With `tenant`: only that tenant's new work; everyone else's routing stays as it is."""
         if tenant:
             self.tenant_adapters[tenant] = (policy_version, adapter)
+            self.metrics.tenant_policy_version.labels(tenant).set(policy_version)
         else:
             self.adapter = adapter
             self.set_policy_version(policy_version)
@@ -119,7 +122,9 @@ class PauseGate:
         adapter the generation runs under: the tenant's own when it has one, else the shared."""
         if self.paused:
             await self._hold()
-        version, adapter = self.tenant_adapters.get(tenant, (self.policy_version, self.adapter))
+        own = self.tenant_adapters.get(tenant)
+        version, adapter = own or (self.policy_version, self.adapter)
+        self.metrics.tenant_requests.labels(tenant_label(tenant if own else SHARED)).inc()
         admission = Admission(version, adapter, self.pauses)
         self.in_flight += 1
         self.in_flight_by_adapter[admission.adapter] += 1

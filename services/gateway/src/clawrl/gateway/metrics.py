@@ -172,6 +172,22 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        # Per tenant: a tenant served an adapter of its own (SwitchAdapter with its tenant) has
+        # its id as label value, every other caller "shared" (bounded by the trainer's
+        # tenants.max_adapters).
+        self.tenant_requests = Counter(
+            "clawrl_gateway_tenant_requests_total",
+            "Generations admitted, by the tenant whose adapter serves them (shared: the shared "
+            "policy).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_policy_version = Gauge(
+            "clawrl_gateway_tenant_policy_version",
+            "Version of each tenant's adapter now served (per_tenant mode).",
+            ["tenant"],
+            registry=r,
+        )
         self.adapter_switches = Counter(
             "clawrl_gateway_adapter_switches_total",
             "SwitchAdapter calls: LoRA versions put into service with no pause.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from clawrl.common.metrics import LATENCY_BUCKETS_S
+from clawrl.common.metrics import LATENCY_BUCKETS_S, tenant_label
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 STEP_PHASES = ("logprobs", "forward_backward", "optimizer", "checkpoint", "export", "total")
@@ -65,11 +65,30 @@ class TrainerMetrics:
         )
         for reason in DROP_REASONS:
             self.samples_dropped.labels(reason)
-        # Per-tenant mode; the tenant label is bounded by tenants.max_adapters (+ "" shared).
+        # Per-tenant mode; the tenant label is bounded by tenants.max_adapters (+ "shared").
         self.tenant_steps = Counter(
             "clawrl_trainer_tenant_steps_total",
-            'Steps taken per adapter in tenants.mode = per_tenant (tenant: its id, "" for the '
-            "shared policy): the fair order across tenants, counted.",
+            "Steps taken per adapter in tenants.mode = per_tenant (tenant: its id, shared for "
+            "the shared policy): the fair order across tenants, counted.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_samples = Counter(
+            "clawrl_trainer_tenant_samples_total",
+            "Samples trained per adapter in tenants.mode = per_tenant (tenant: its id, shared).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_reward = Gauge(
+            "clawrl_trainer_tenant_reward_mean",
+            "Mean reward of the samples of each adapter's last step (per_tenant mode).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_staleness = Gauge(
+            "clawrl_trainer_tenant_staleness_mean",
+            "Mean versions of its own adapter between each adapter's last step's samples and "
+            "that adapter (per_tenant mode).",
             ["tenant"],
             registry=r,
         )
@@ -136,3 +155,13 @@ class TrainerMetrics:
         for name, gauge in self.step_figures.items():
             if name in figures:
                 gauge.set(figures[name])
+
+    def record_tenant_step(self, adapter: str, samples: int, figures: dict[str, float]) -> None:
+        """Per-tenant mode: one step of `adapter` (a tenant's id, or "" for the shared policy)."""
+        tenant = tenant_label(adapter)
+        self.tenant_steps.labels(tenant).inc()
+        self.tenant_samples.labels(tenant).inc(samples)
+        if "reward_mean" in figures:
+            self.tenant_reward.labels(tenant).set(figures["reward_mean"])
+        if "staleness_mean" in figures:
+            self.tenant_staleness.labels(tenant).set(figures["staleness_mean"])

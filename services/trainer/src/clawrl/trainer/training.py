@@ -198,7 +198,7 @@ class Trainer:
             adapter_steps = self.state.tenant_steps.get(adapter, 0) + 1
             self.state.tenant_steps[adapter] = adapter_steps
             exported = adapter_steps % self.settings.checkpoint.sync_interval == 0
-            self.metrics.tenant_steps.labels(adapter).inc()
+            self.metrics.record_tenant_step(adapter, batch.size, figures)
         try:
             if exported:
                 export_started = time.perf_counter()
