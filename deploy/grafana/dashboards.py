@@ -32,6 +32,13 @@ class Panel:
     threshold: float | None = None  # drawn as a red line: past it, something needs attention
 
 
+@dataclass(frozen=True)
+class Row:
+    """A row header: the panels after it, up to the next row, are its panels."""
+
+    title: str
+
+
 def sel(metric: str, match: str = "") -> str:
     """A selector of `metric` scoped to the dashboard's namespace, release and pods; `match`
     (written `{label="value"}`) adds matchers."""
@@ -59,7 +66,6 @@ def quantiles(histogram: str, by: str = "", match: str = "", legend: str = "") -
     )
 
 
-CHAT = '{route="/v1/chat/completions"}'
 GC_PAUSES = "clawrl_gateway_gc_pause_seconds_total"
 SERVER_ERRORS = '{status=~"5.."}'
 ACCEPTED = '{result="accepted"}'
@@ -86,10 +92,11 @@ SERVING = [
         threshold=0.01,
     ),
     Panel(
-        "Chat completion latency",
+        "Request latency by route",
         "s",
-        quantiles("clawrl_gateway_request_duration_seconds", match=CHAT),
-        "Request to full response, streams included.",
+        quantiles("clawrl_gateway_request_duration_seconds", "route", legend="{{route}}"),
+        "Request to full response, streams included, for each API route: chat completions, "
+        "responses, messages (and feedback, models).",
     ),
     Panel(
         "Time to first token (streaming)",
@@ -168,6 +175,14 @@ SERVING = [
             (rate("clawrl_gateway_history_mismatches_total"), "history mismatches"),
         ),
         "Serving goes on when recording fails; every failure is counted here.",
+    ),
+    Panel(
+        "Explicit feedback",
+        "ops",
+        ((f"{rate('clawrl_gateway_feedback_total', 'outcome')} or vector(0)", "{{outcome}}"),),
+        "POST /v1/feedback by outcome: accepted (the judge merges it into the turn's sample), "
+        "late (the sample was already published: audited only), duplicate, not_found, invalid, "
+        "conflict, unavailable (Redis failed).",
     ),
     Panel(
         "Garbage-collection pauses",
@@ -355,6 +370,14 @@ JUDGE = [
         "Judge errors by stage, engine calls retried while the judge engine was unavailable, "
         "prompts shortened to fit.",
     ),
+    Panel(
+        "Explicit feedback merged",
+        "ops",
+        ((f"{rate('clawrl_judge_feedback_total', 'use')} or vector(0)", "{{use}}"),),
+        "How the judges used explicit feedback: reward_override, reward_weighted, hint (a "
+        "comment as the hindsight hint), reward_unused (opd trains on the teacher only), late "
+        "(arrived while its turn was judged: audited, not merged).",
+    ),
 ]
 
 LEARNING = [
@@ -516,6 +539,61 @@ LEARNING = [
     ),
 ]
 
+# Per-tenant adapters ([tenants] mode = "per_tenant"): the learning dashboard's Tenants row,
+# filtered by the tenant variable. A tenant's label is its id once it owns an adapter; the
+# shared policy (and everyone it serves) is "shared".
+TENANT = '{tenant=~"$tenant"}'
+TENANTS = [
+    Panel(
+        "Reward per tenant",
+        "short",
+        ((f"max by (tenant) ({sel('clawrl_trainer_tenant_reward_mean', TENANT)})", "{{tenant}}"),),
+        "Mean reward of the samples of each tenant's last step: each adapter learns from its "
+        "own tenant's turns only.",
+    ),
+    Panel(
+        "Adapter version per tenant",
+        "none",
+        (
+            (
+                f"max by (tenant) ({sel('clawrl_trainer_tenant_policy_version', TENANT)})",
+                "{{tenant}} exported",
+            ),
+            (
+                f"min by (tenant) ({sel('clawrl_gateway_tenant_policy_version', TENANT)})",
+                "{{tenant}} served",
+            ),
+        ),
+        "Newest version of each tenant's adapter the trainer exported, and the oldest one a "
+        "gateway serves that tenant (a gap that grows: that tenant's syncs fall behind).",
+    ),
+    Panel(
+        "Samples and requests per tenant",
+        "ops",
+        (
+            (rate("clawrl_trainer_tenant_samples_total", "tenant", TENANT), "{{tenant}} trained"),
+            (rate("clawrl_gateway_tenant_requests_total", "tenant", TENANT), "{{tenant}} served"),
+            (rate("clawrl_trainer_tenant_overflow_samples_total"), "over max_adapters (shared)"),
+        ),
+        "Samples each adapter trained and generations each adapter served, per second; a "
+        "tenant without an adapter of its own counts as shared. Overflow: samples of tenants "
+        "selected for an adapter that found none free (tenants.max_adapters), trained shared.",
+    ),
+    Panel(
+        "Steps and staleness per tenant",
+        "short",
+        (
+            (rate("clawrl_trainer_tenant_steps_total", "tenant", TENANT), "{{tenant}} steps/s"),
+            (
+                f"max by (tenant) ({sel('clawrl_trainer_tenant_staleness_mean', TENANT)})",
+                "{{tenant}} staleness (versions)",
+            ),
+        ),
+        "Steps per tenant (tenants with a batch take turns: none starves) and the mean "
+        "staleness of each tenant's last step, in versions of its own adapter.",
+    ),
+]
+
 
 def dcgm(metric: str) -> str:
     """A DCGM exporter gauge of the scoped pods, labelled with the GPU's pod as `pod`.
@@ -669,7 +747,7 @@ DASHBOARDS = {
     "serving": ("clawrl / serving", SERVING),
     "engines": ("clawrl / engines (SGLang)", ENGINES),
     "judge": ("clawrl / judge", JUDGE),
-    "learning": ("clawrl / learning", LEARNING),
+    "learning": ("clawrl / learning", [*LEARNING, Row("Tenants"), *TENANTS]),
     "cluster": ("clawrl / cluster (pods, GPUs, Redis, Ray)", CLUSTER),
 }
 PROMETHEUS = {"type": "prometheus", "uid": "${datasource}"}
@@ -693,7 +771,7 @@ ANNOTATIONS = (
 )
 
 
-def panel_json(panel: Panel, index: int) -> dict:
+def panel_json(panel: Panel, index: int, x: int, y: int) -> dict:
     defaults: dict = {"unit": panel.unit}
     if panel.threshold is not None:
         defaults["thresholds"] = {
@@ -710,7 +788,7 @@ def panel_json(panel: Panel, index: int) -> dict:
         "title": panel.title,
         "description": panel.description,
         "datasource": PROMETHEUS,
-        "gridPos": {"h": 8, "w": 12, "x": (index % 2) * 12, "y": (index // 2) * 8},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
             "legend": {"displayMode": "list", "placement": "bottom"},
@@ -726,6 +804,21 @@ def panel_json(panel: Panel, index: int) -> dict:
             for i, (expr, legend) in enumerate(panel.queries)
         ],
     }
+
+
+def layout(items: list[Panel | Row]) -> list[dict]:
+    """Panels two per line, 8 high; a row header across the full width starts a new line."""
+    placed, y, column = [], 0, 0
+    for index, item in enumerate(items):
+        if isinstance(item, Row):
+            y += 8 if column else 0
+            header = {"id": index + 1, "type": "row", "title": item.title, "collapsed": False}
+            placed.append({**header, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+            y, column = y + 1, 0
+            continue
+        placed.append(panel_json(item, index, column * 12, y))
+        y, column = (y + 8, 0) if column else (y, 1)
+    return placed
 
 
 def query_variable(name: str, label: str, query: str, **extra) -> dict:
@@ -769,7 +862,23 @@ VARIABLES = [
 ]
 
 
-def dashboard_json(name: str, title: str, panels: list[Panel]) -> dict:
+# A dashboard with per-tenant panels picks tenants (several or All).
+TENANT_VARIABLE = query_variable(
+    "tenant",
+    "Tenant",
+    'label_values(clawrl_trainer_tenant_steps_total{namespace="$namespace", '
+    'pod=~"$release-.+"}, tenant)',
+    includeAll=True,
+    multi=True,
+    allValue=".*",
+    current={"selected": True, "text": ["All"], "value": ["$__all"]},
+)
+
+
+def dashboard_json(name: str, title: str, panels: list[Panel | Row]) -> dict:
+    per_tenant = any(
+        "$tenant" in expr for p in panels if isinstance(p, Panel) for expr, _ in p.queries
+    )
     return {
         "uid": f"clawrl-{name}",
         "title": title,
@@ -806,9 +915,10 @@ def dashboard_json(name: str, title: str, panels: list[Panel]) -> dict:
                     "hide": 0,
                 },
                 *VARIABLES,
+                *([TENANT_VARIABLE] if per_tenant else []),
             ]
         },
-        "panels": [panel_json(panel, i) for i, panel in enumerate(panels)],
+        "panels": layout(panels),
     }
 
 

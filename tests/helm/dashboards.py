@@ -51,6 +51,17 @@ def queries(dashboard: dict) -> list[tuple[str, str]]:
     ]
 
 
+def rows(dashboard: dict) -> dict[str, str]:
+    """Panel title -> the title of the row it sits in ("" above the first row)."""
+    found, row = {}, ""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        else:
+            found[panel["title"]] = row
+    return found
+
+
 def annotation_queries(dashboard: dict) -> list[tuple[str, str]]:
     """(annotation name, PromQL) of every Prometheus annotation of a dashboard."""
     return [(item["name"], item["expr"]) for item in dashboard["annotations"]["list"]]

@@ -21,6 +21,7 @@ from tests.helm.dashboards import (
     known_metric_names,
     metric_names,
     queries,
+    rows,
     unscoped,
 )
 
@@ -42,14 +43,21 @@ def test_dashboard_is_importable(name: str) -> None:
     assert board["uid"] == f"clawrl-{name}" and board["title"]
     ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids)) and ids
-    for panel in board["panels"]:
+    panels = [panel for panel in board["panels"] if panel["type"] != "row"]
+    for panel in panels:
         assert panel["type"] == "timeseries" and panel["targets"], panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"])
     names = [v["name"] for v in board["templating"]["list"]]
-    assert names == ["datasource", "namespace", "release", "pod"]
-    assert all(panel["description"] for panel in board["panels"])
+    per_tenant = ["tenant"] if name == "learning" else []
+    assert names == ["datasource", "namespace", "release", "pod", *per_tenant]
+    assert all(panel["description"] for panel in panels)
     assert board["description"]
+    # Nothing overlaps: no two panels share a grid cell.
+    cells = [(x, y) for p in board["panels"] for x in range(p["gridPos"]["x"],
+             p["gridPos"]["x"] + p["gridPos"]["w"]) for y in range(p["gridPos"]["y"],
+             p["gridPos"]["y"] + p["gridPos"]["h"])]  # fmt: skip
+    assert len(cells) == len(set(cells))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -89,6 +97,50 @@ def test_pod_variable_drills_down_within_the_release() -> None:
     assert variables["pod"]["multi"] and variables["pod"]["includeAll"]
     assert "$release" in variables["pod"]["definition"]
     assert "$namespace" in variables["release"]["definition"]
+
+
+def test_the_tenants_row_shows_each_tenants_learning_and_adapters() -> None:
+    """Per-tenant mode's row: reward, adapter versions (exported and served), samples and
+    requests, steps and staleness, each per tenant and filtered by the tenant variable."""
+    board = dashboards()["learning"]
+    in_row = {title for title, row in rows(board).items() if row == "Tenants"}
+    metrics = {
+        metric: expr
+        for title, expr in queries(board)
+        if title in in_row
+        for metric in metric_names(expr)
+    }
+    wanted = {"clawrl_trainer_tenant_reward_mean", "clawrl_trainer_tenant_policy_version",
+              "clawrl_gateway_tenant_policy_version", "clawrl_trainer_tenant_samples_total",
+              "clawrl_gateway_tenant_requests_total", "clawrl_trainer_tenant_steps_total",
+              "clawrl_trainer_tenant_staleness_mean"}  # fmt: skip
+    assert wanted <= set(metrics)
+    for metric in wanted:  # split by tenant and filtered to the tenants picked
+        assert 'tenant=~"$tenant"' in metrics[metric] and "tenant)" in metrics[metric], metric
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    tenant = variables["tenant"]
+    assert tenant["multi"] and tenant["includeAll"] and tenant["allValue"] == ".*"
+    assert 'namespace="$namespace", pod=~"$release-.+"' in tenant["definition"]
+    selector = tenant["definition"].removeprefix("label_values(").rsplit(",", 1)[0]
+    assert metric_names(selector) == {"clawrl_trainer_tenant_steps_total"}
+    # Only the learning dashboard has per-tenant panels, and so the variable.
+    assert all("$tenant" not in expr for n, b in dashboards().items() if n != "learning"
+               for _, expr in queries(b))  # fmt: skip
+
+
+def test_request_latency_covers_every_api_route() -> None:
+    """One latency panel per route of the API (chat completions, responses, messages): split
+    by route, none filtered out."""
+    (panel,) = [p for p in dashboards()["serving"]["panels"] if "latency" in p["title"].lower()]
+    for target in panel["targets"]:
+        assert "by (le, route)" in target["expr"] and "route=" not in target["expr"]
+        assert target["legendFormat"].startswith("{{route}}")
+
+
+def test_explicit_feedback_is_shown_where_it_is_taken_and_merged() -> None:
+    exprs = {name: " ".join(expr for _, expr in queries(b)) for name, b in dashboards().items()}
+    assert "sum by (outcome) (rate(clawrl_gateway_feedback_total{" in exprs["serving"]
+    assert "sum by (use) (rate(clawrl_judge_feedback_total{" in exprs["judge"]
 
 
 def test_annotations_mark_weight_syncs_and_version_changes() -> None:
@@ -229,3 +281,23 @@ def test_the_local_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     assert all(f"127.0.0.1:{port}" in text for port in ports.values())
     # Jobs the stack does not run are left out rather than shown as down.
     assert "trainer" not in write_config(tmp_path / "some.yml", {"gateway": 1}).read_text()
+
+
+def test_every_query_parses_as_promql(promtool: str, tmp_path: Path) -> None:
+    """Each panel's and annotation's PromQL, with Grafana's variables filled in, is valid
+    PromQL to Prometheus's own parser (promtool checks it as a recording rule's expression)."""
+    filled = {"$__rate_interval": "1m", "$namespace": "ml", "$release": "clawrl", "$pod": ".*",
+              "$tenant": ".*"}  # fmt: skip
+    rules = []
+    for name, board in dashboards().items():
+        for i, (_, expr) in enumerate(queries(board) + annotation_queries(board)):
+            for variable, value in filled.items():
+                expr = expr.replace(variable, value)
+            rules.append({"record": f"dashboard:{name}:{i}", "expr": expr})
+    path = tmp_path / "queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
