@@ -270,6 +270,22 @@ def training_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def tenant_env(args: argparse.Namespace) -> dict[str, str]:
+    """[tenants] from stack.py's flags, for every process (the gateway routes by tenant, the
+    trainer steps per tenant, the weight-sync job serves each tenant its versions)."""
+    env = {}
+    if args.tenants != "config":
+        env["CLAWRL_TENANTS__MODE"] = args.tenants
+    if args.tenant_batch is not None:
+        env["CLAWRL_TENANTS__MIN_SAMPLES_PER_STEP"] = str(args.tenant_batch)
+    return env
+
+
+def gateway_env(args: argparse.Namespace) -> dict[str, str]:
+    """The API keys, for the gateway alone (a JSON list, as its settings read lists)."""
+    return {"CLAWRL_SERVING__API_KEYS": json.dumps(args.api_key)} if args.api_key else {}
+
+
 def default_torch_threads() -> int:
     """The cores split between the three torch processes (two engines, the trainer): each
     defaulting to every core oversubscribes them, and a busy engine then starves the trainer."""
@@ -367,6 +383,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sync-interval", type=int, default=1, help="steps between policy versions (syncs)"
     )
     parser.add_argument(
+        "--tenants",
+        choices=("shared", "per_tenant", "config"),
+        default="config",
+        help="[tenants] mode: shared = one policy for every caller; per_tenant = each caller "
+        "(an API key's tenant, see --api-key) trains and is served a LoRA adapter of its own; "
+        "config = clawrl.toml's (default shared)",
+    )
+    parser.add_argument(
+        "--tenant-batch",
+        type=int,
+        help="per_tenant: samples of one tenant per step of its adapter "
+        "([tenants] min_samples_per_step; default clawrl.toml's, else 4)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="an API key the gateway accepts (repeat for more; each key is a tenant); none: "
+        "the API is open (or clawrl.toml's [serving] api_keys)",
+    )
+    parser.add_argument(
         "--context-length",
         type=int,
         default=16384,
@@ -389,6 +426,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = resolve_lora_rank(args)
+    if args.tenants == "per_tenant" and not args.lora_rank:
+        problem = "--tenants per_tenant trains an adapter per tenant: it needs LoRA (--lora-rank)"
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -417,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     # off) and the gateway must admit what the engines serve.
     shared = (
         {"CLAWRL_MODEL__CONTEXT_LENGTH": str(args.context_length)} if args.context_length else {}
-    )
+    ) | tenant_env(args)
     stack = Stack(redis_url, args.run_dir / "logs", shared)
     # SIGTERM (from a supervisor or a test) and SIGHUP (the terminal closed: the processes, in
     # their own sessions, would not get it) stop the stack like Ctrl-C does.
@@ -473,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 redis_url,
             ],
             lambda: http_ok(f"http://127.0.0.1:{args.gateway_port}/readyz"),
+            env=gateway_env(args),
         )
         start_learning(stack, args, redis_url)
         if shutil.which("prometheus"):
@@ -496,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             else "the model's own context"
         )
         print(
-            f"\nclawrl is running ({context}). Point an OpenAI client at {gateway}/v1 (any API "
-            f"key), e.g.\n"
+            f"\nclawrl is running ({context}). Point an OpenAI client at {gateway}/v1 ("
+            f"{'one of the --api-key keys' if args.api_key else 'any API key'}), e.g.\n"
             f"  curl -s {gateway}/v1/chat/completions -H 'X-Session-Id: demo' "
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{args.policy_model}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'

@@ -13,6 +13,7 @@ docs/ with --docs). Asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import re
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,12 +58,15 @@ def goal(csv_path: Path) -> str:
     return "\n".join(lines) or "too few versions for the goal's figures"
 
 
-def engine_held_out(engine_url: str, adapter: str | None, env: dict) -> float | None:
+def engine_held_out(
+    engine_url: str, adapter: str | None, env: dict, taste: str = "paragraph"
+) -> float | None:
     """`clawrl eval` against the policy engine itself, pinned to one version: the base model
-    (v0) or an adapter (SGLang's lora_path). Through the gateway a sync may split an
-    evaluation between versions; here nothing can."""
+    (v0) or an adapter (SGLang's lora_path), scored by the user of `taste`. Through the gateway
+    a sync may split an evaluation between versions; here nothing can."""
     argv = [sys.executable, "-m", "clawrl.simulate.main", "eval", "--base-url",
-            f"{engine_url}/v1", *(["--lora", adapter] if adapter else [])]  # fmt: skip
+            f"{engine_url}/v1", "--taste", taste,
+            *(["--lora", adapter] if adapter else [])]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     found = re.findall(r"held-out score ([0-9.]+)", done.stdout)
     if done.returncode != 0 or not found:
@@ -70,34 +75,26 @@ def engine_held_out(engine_url: str, adapter: str | None, env: dict) -> float | 
     return float(found[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument(
-        "--minutes", type=float, default=20.0, help="from the stack's start to the last session"
-    )
-    parser.add_argument("--until-version", type=int, help="or stop at this version")
-    parser.add_argument("--seed", type=int, default=0, help="the simulated user's seed")
-    parser.add_argument("--scenario", default="preference", choices=("preference", "arithmetic"))
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
-    parser.add_argument("--docs", action="store_true", help="copy the CSV and PNG to docs/")
-    args = parser.parse_args()
-    started = time.monotonic()
+@contextlib.contextmanager
+def running_stack(
+    model: str, prefix: str, reward_fn: str, stack_args: list[str]
+) -> Iterator[tuple[dict[str, int], Path, dict[str, str]]]:
+    """stack.py on free ports, the judge's reward clawrl.judge.reward_examples:<reward_fn>,
+    until its weight-sync launcher answers: (ports, run directory, the environment its clients
+    should run with); stopped like Ctrl-C."""
     ports = {name: free_port() for name in NAMES}
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-learning-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
     # Every version's adapter stays on disk: the evaluator scores versions pinned, minutes after
     # they were announced, and an adapter pruned in between fails its evaluation.
     env = {**os.environ, "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
            "CLAWRL_CHECKPOINT__KEEP_VERSIONS": "1000"}  # fmt: skip
-    reward_fn = {"preference": "stated_preference", "arithmetic": "arithmetic_confirmed"}
     log = (run_dir / "stack.log").open("wb")
     stack = subprocess.Popen(
         [sys.executable, str(REPO / "deploy/local/stack.py"),
-         "--policy-model", args.model, "--judge-model", "smollm2-tiny",
+         "--policy-model", model, "--judge-model", "smollm2-tiny",
          *[arg for name in NAMES for arg in (f"--{name}-port", str(ports[name]))],
-         "--reward-fn", f"clawrl.judge.reward_examples:{reward_fn[args.scenario]}",
-         "--run-dir", str(run_dir), *shlex.split(args.stack_args)],
+         "--reward-fn", f"clawrl.judge.reward_examples:{reward_fn}",
+         "--run-dir", str(run_dir), *stack_args],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     try:
@@ -114,6 +111,48 @@ def main() -> None:
             if time.monotonic() > deadline:
                 sys.exit(f"the stack did not start: see {run_dir / 'stack.log'}")
             time.sleep(1)
+        yield ports, run_dir, env
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(timeout=120)
+        log.close()
+
+
+def simulate_until(ports: dict[str, int], env: dict, deadline: float, argv: list[str]) -> None:
+    """`clawrl simulate` (3-turn sessions, no limit, and `argv`) against the stack until it ends
+    or the deadline (time.monotonic()) passes; then stopped like Ctrl-C, so it still reports."""
+    simulate = subprocess.Popen(
+        [sys.executable, "-m", "clawrl.simulate.main", "simulate",
+         "--base-url", f"http://127.0.0.1:{ports['gateway']}/v1",
+         "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
+         "--sessions", "0", "--turns", "3", *argv],
+        env=env,
+    )  # fmt: skip
+    try:
+        simulate.wait(timeout=max(60.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        simulate.send_signal(signal.SIGINT)  # stop starting sessions, then report
+        simulate.wait(timeout=900)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument(
+        "--minutes", type=float, default=20.0, help="from the stack's start to the last session"
+    )
+    parser.add_argument("--until-version", type=int, help="or stop at this version")
+    parser.add_argument("--seed", type=int, default=0, help="the simulated user's seed")
+    parser.add_argument("--scenario", default="preference", choices=("preference", "arithmetic"))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
+    parser.add_argument("--docs", action="store_true", help="copy the CSV and PNG to docs/")
+    args = parser.parse_args()
+    started = time.monotonic()
+    reward_fn = {"preference": "stated_preference", "arithmetic": "arithmetic_confirmed"}
+    with running_stack(
+        args.model, "bench-learning-", reward_fn[args.scenario], shlex.split(args.stack_args)
+    ) as (ports, run_dir, env):
         print(f"stack up after {time.monotonic() - started:.0f}s", flush=True)
         out = run_dir / "simulate"
         until = ["--until-version", str(args.until_version)] if args.until_version else []
@@ -122,21 +161,11 @@ def main() -> None:
         extra = shlex.split(args.stack_args)
         full = "--lora-rank" in extra and extra[extra.index("--lora-rank") + 1] == "0"
         pinned = [] if full else ["--engine-url", f"http://127.0.0.1:{ports['policy']}"]
-        simulate = subprocess.Popen(
-            [sys.executable, "-m", "clawrl.simulate.main", "simulate",
-             "--base-url", f"http://127.0.0.1:{ports['gateway']}/v1",
-             "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
-             "--scenario", args.scenario, "--seed", str(args.seed),
-             *pinned,
-             "--sessions", "0", "--turns", "3", "--concurrency", str(args.concurrency),
-             *until, "--out-dir", str(out)],
-            env=env,
+        simulate_until(
+            ports, env, started + args.minutes * 60,
+            ["--scenario", args.scenario, "--seed", str(args.seed), *pinned,
+             "--concurrency", str(args.concurrency), *until, "--out-dir", str(out)],
         )  # fmt: skip
-        try:
-            simulate.wait(timeout=max(60.0, started + args.minutes * 60 - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            simulate.send_signal(signal.SIGINT)  # stop starting sessions, then report
-            simulate.wait(timeout=600)
         [made_csv] = out.glob("simulate-*.csv")
         print(goal(made_csv))
         if args.scenario == "preference" and not full:
@@ -156,10 +185,6 @@ def main() -> None:
                 shutil.copy(made, target)
                 print(f"wrote {target}")
         print((run_dir / "stack.log").read_text().splitlines()[-1])
-    finally:
-        stack.send_signal(signal.SIGTERM)
-        stack.wait(timeout=120)
-        log.close()
 
 
 if __name__ == "__main__":

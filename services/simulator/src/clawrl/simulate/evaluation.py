@@ -13,6 +13,7 @@ import logging
 import re
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
@@ -23,7 +24,8 @@ from clawrl.simulate.questions import held_out_questions
 log = logging.getLogger(__name__)
 
 FINGERPRINT = re.compile(r"clawrl-policy-v(\d+)")
-ADAPTER = re.compile(r"policy-v(\d+)")
+# The shared policy's adapters and a tenant's own (`tenant-<id>-vN`, per-tenant mode).
+ADAPTER = re.compile(r"(?:policy|tenant-[A-Za-z0-9][A-Za-z0-9_.-]*)-v(\d+)")
 
 
 @dataclass(frozen=True)
@@ -51,20 +53,23 @@ def reply_version(fingerprint: str | None) -> int:
 
 
 def adapter_version(lora: str | None) -> int:
-    """policy-vN -> N; no adapter -> 0 (the base model)."""
+    """policy-vN or tenant-<id>-vN -> N; no adapter -> 0 (the base model)."""
     if not lora:
         return 0
     match = ADAPTER.fullmatch(lora)
     if match is None:
-        raise ValueError(f"adapter {lora!r} is not named policy-vN")
+        raise ValueError(f"adapter {lora!r} is not named policy-vN or tenant-<id>-vN")
     return int(match.group(1))
 
 
-def scores(answers: list[tuple[int, str]]) -> list[HeldOutScore]:
-    """(version, reply) pairs -> the score of each version that produced some, by version."""
+def scores(
+    answers: list[tuple[int, str]], judge: Callable[[str], Verdict] = verdict
+) -> list[HeldOutScore]:
+    """(version, reply) pairs -> the score of each version that produced some, by version, as
+    the user whose verdict is `judge` takes them (default: the paragraph user)."""
     by_version: dict[int, list[Verdict]] = defaultdict(list)
     for version, reply in answers:
-        by_version[version].append(verdict(reply))
+        by_version[version].append(judge(reply))
     found = []
     for version, verdicts in sorted(by_version.items()):
         met = verdicts.count(Verdict.PLEASED)

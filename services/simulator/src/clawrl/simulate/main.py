@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -26,6 +27,7 @@ from clawrl.common.proto.records_pb2 import Sample
 from clawrl.common.records import RecordError, decode_entry
 from clawrl.common.redis_client import connect
 from clawrl.common.settings import RedisSettings
+from clawrl.common.tenants import key_tenant
 from clawrl.simulate.evaluation import (
     EvalError,
     HeldOutScore,
@@ -34,6 +36,7 @@ from clawrl.simulate.evaluation import (
     held_out_answers,
     scores,
 )
+from clawrl.simulate.preference import LINES, PARAGRAPH, Preference
 from clawrl.simulate.report import per_version, plot, table, write_csv
 from clawrl.simulate.scenarios import SCENARIOS
 from clawrl.simulate.simulation import Progress, Simulation, SimulationConfig
@@ -56,6 +59,16 @@ def adapter_name(value: str) -> str:
     return value
 
 
+TASTES = {taste.name: taste for taste in (PARAGRAPH, LINES)}
+
+
+def comma_list(value: str) -> list[str]:
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
 def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://localhost:30000/v1", help="OpenAI API")
     parser.add_argument("--api-key", default="local", help="API key")
@@ -76,8 +89,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(SCENARIOS),
         default="preference",
         help="preference: open questions, the user wants one paragraph (judge reward "
-        "clawrl.judge.reward_examples:stated_preference); arithmetic: word problems "
+        "clawrl.judge.reward_examples:stated_preference); lines: the same questions, the user "
+        "wants points on separate lines (same reward); arithmetic: word problems "
         "(arithmetic_confirmed)",
+    )
+    sim.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        help="simulated users, each a tenant of its own (its API key from --tenant-keys, its "
+        "scenario from --tenant-scenarios); with the stack in per-tenant mode each learns its "
+        "own adapter, and each user's held-out score is also taken under the next user's "
+        "adapter",
+    )
+    sim.add_argument(
+        "--tenant-keys",
+        type=comma_list,
+        default=["tenant-a", "tenant-b"],
+        help="the tenants' API keys, comma-separated (the gateway's [serving] api_keys)",
+    )
+    sim.add_argument(
+        "--tenant-scenarios",
+        type=comma_list,
+        default=["preference", "lines"],
+        help="the tenants' scenarios, comma-separated (preference: one paragraph; lines: the "
+        "opposite taste, points on separate lines)",
     )
     sim.add_argument("--sessions", type=int, default=20, help="sessions in all (0: no limit)")
     sim.add_argument("--turns", type=int, default=3, help="questions per session")
@@ -124,10 +160,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument(
         "--lora",
         type=adapter_name,
-        help="against an engine: the adapter to score (policy-vN, sent as lora_path); unset: "
-        "what the endpoint serves (through the gateway: the current version, as side turns)",
+        help="against an engine: the adapter to score (policy-vN or tenant-<id>-vN, sent as "
+        "lora_path); unset: what the endpoint serves (through the gateway: the current version "
+        "of the API key's tenant, as side turns)",
     )
-    return parser.parse_args(argv)
+    ev.add_argument(
+        "--taste",
+        choices=sorted(TASTES),
+        default="paragraph",
+        help="whose verdict scores the replies: the paragraph user (--scenario preference) or "
+        "the lines user (--scenario lines)",
+    )
+    args = parser.parse_args(argv)
+    if args.command == "simulate":
+        check_tenants(parser, args)
+    return args
+
+
+def check_tenants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tenants N needs N distinct keys and N scenarios, each with a held-out taste."""
+    if args.tenants < 1:
+        parser.error("--tenants must be at least 1")
+    if args.tenants == 1:
+        return
+    keys, names = args.tenant_keys, args.tenant_scenarios
+    if len(set(keys[: args.tenants])) < args.tenants:
+        parser.error(f"--tenants {args.tenants} needs as many distinct --tenant-keys: {keys}")
+    if len(names) < args.tenants:
+        parser.error(f"--tenants {args.tenants} needs as many --tenant-scenarios: {names}")
+    for name in names[: args.tenants]:
+        if name not in SCENARIOS or SCENARIOS[name].taste is None:
+            tasteful = sorted(n for n, s in SCENARIOS.items() if s.taste is not None)
+            parser.error(f"--tenant-scenarios: {name!r} is not one of {tasteful}")
 
 
 async def judged_rewards(
@@ -169,10 +233,21 @@ class Evaluator:
     pinned to the newest version's adapter (`policy-vN`; the base model for v0), so every
     version it gets to is scored whole."""
 
-    def __init__(self, client: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        client: openai.AsyncOpenAI,
+        model: str,
+        args: argparse.Namespace,
+        taste: Preference = PARAGRAPH,
+        adapter: str = "policy",
+        label: str = "",
+    ) -> None:
         self.client = client
         self.model = model
         self.args = args
+        self.taste = taste  # whose verdict scores the replies
+        self.adapter = adapter  # the adapters' prefix on the engine: policy, or tenant-<id>
+        self.label = label  # names the evaluation in its lines
         self.found: dict[int, HeldOutScore] = {}
         self.failures = 0
         self.engine = None
@@ -186,7 +261,7 @@ class Evaluator:
         question got no reply."""
         client, lora = self.client, None
         if self.engine is not None and version is not None:
-            client, lora = self.engine, (f"policy-v{version}" if version else None)
+            client, lora = self.engine, (f"{self.adapter}-v{version}" if version else None)
         try:
             answers = await held_out_answers(
                 client, self.model, max_tokens=self.args.max_tokens, lora=lora,
@@ -196,10 +271,10 @@ class Evaluator:
             self.failures += 1
             log.warning("held-out evaluation failed: %s", exc)
             return False
-        for score in complete(scores(answers)):
+        for score in complete(scores(answers, self.taste.judge)):
             self.found[score.version] = score
-            print(f"held-out score of v{score.version}: {score.score:.3f} ({score.summary()})",
-                  flush=True)  # fmt: skip
+            print(f"{self.label}held-out score of v{score.version}: {score.score:.3f} "
+                  f"({score.summary()})", flush=True)  # fmt: skip
         return True
 
     def behind(self, progress: Progress) -> bool:
@@ -220,58 +295,117 @@ async def first_model(client: openai.AsyncOpenAI, model: str | None) -> str:
     return model or (await client.models.list()).data[0].id
 
 
+@dataclass
+class User:
+    """One simulated user: a tenant of its own (its API key) with `clawrl simulate --tenants`."""
+
+    name: str  # "" alone; "a", "b"... as tenants
+    scenario: str
+    client: openai.AsyncOpenAI
+    simulation: Simulation
+    held_out: Evaluator  # its taste under the adapter it is served
+    cross: Evaluator | None = None  # its taste under the next tenant's adapter
+
+
+def tenant_adapter_prefix(key: str) -> str:
+    """The engine's name of a tenant's adapters, less `-vN`: the gateway's tenant of the key."""
+    return f"tenant-{key_tenant(key)}"
+
+
+def make_users(args: argparse.Namespace, model: str, run_id: str) -> list[User]:
+    """One user, or one per tenant (its key, its scenario, the next tenant's adapter crossed)."""
+    tenants = args.tenants
+    keys = args.tenant_keys[:tenants] if tenants > 1 else [args.api_key]
+    names = args.tenant_scenarios[:tenants] if tenants > 1 else [args.scenario]
+    users = []
+    for index, (key, name) in enumerate(zip(keys, names, strict=True)):
+        letter = "abcdefgh"[index] if tenants > 1 else ""
+        scenario = SCENARIOS[name]
+        client = openai.AsyncOpenAI(base_url=args.base_url, api_key=key, max_retries=2)
+        config = SimulationConfig(
+            sessions=args.sessions,
+            turns=args.turns,
+            concurrency=args.concurrency,
+            until_version=args.until_version,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed + 7919 * index,  # each user its own questions
+            run_id=f"{run_id}{letter}",
+            scenario=scenario,
+            label=f"tenant {letter} ({name})" if letter else "",
+        )
+        taste = scenario.taste or PARAGRAPH
+        prefix = tenant_adapter_prefix(key) if letter else "policy"
+        label = f"tenant {letter} ({name}): " if letter else ""
+        own = Evaluator(client, model, args, taste, prefix, label)
+        users.append(User(letter, name, client, Simulation(client, model, config), own))
+    for index, user in enumerate(users if tenants > 1 else []):
+        other = users[(index + 1) % len(users)]
+        taste = user.held_out.taste
+        label = f"tenant {user.name} ({user.scenario}) under tenant {other.name}'s adapter: "
+        user.cross = Evaluator(other.client, model, args, taste, other.held_out.adapter, label)
+    return users
+
+
 async def simulate(args: argparse.Namespace) -> int:
-    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=2)
-    model = await first_model(client, args.model)
+    key = args.tenant_keys[0] if args.tenants > 1 else args.api_key
+    first = openai.AsyncOpenAI(base_url=args.base_url, api_key=key, max_retries=2)
+    model = await first_model(first, args.model)
     run_id = uuid.uuid4().hex[:6]
-    scenario = SCENARIOS[args.scenario]
-    config = SimulationConfig(
-        sessions=args.sessions,
-        turns=args.turns,
-        concurrency=args.concurrency,
-        until_version=args.until_version,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        run_id=run_id,
-        scenario=scenario,
-    )
-    simulation = Simulation(client, model, config)
+    users = make_users(args, model, run_id)
     loop = asyncio.get_running_loop()
     # Ctrl-C stops starting sessions and still reports.
-    loop.add_signal_handler(signal.SIGINT, simulation.stop.set)
-    print(f"simulating ({args.scenario}) against {args.base_url} ({model}), run {run_id}",
-          flush=True)  # fmt: skip
-    held_out = args.held_out if args.held_out is not None else args.scenario == "preference"
-    evaluator = Evaluator(client, model, args)
+    loop.add_signal_handler(signal.SIGINT, lambda: [u.simulation.stop.set() for u in users])
+    who = ", ".join(f"tenant {u.name} ({u.scenario})" for u in users) if args.tenants > 1 else (
+        args.scenario)  # fmt: skip
+    print(f"simulating ({who}) against {args.base_url} ({model}), run {run_id}", flush=True)
+    held_out = args.held_out
+    if held_out is None:
+        held_out = all(SCENARIOS[u.scenario].taste is not None for u in users)
     finished = asyncio.Event()
-    following = (
-        asyncio.create_task(evaluator.follow(simulation.progress, finished)) if held_out else None
-    )
-    progress = await simulation.run()
+    following = []
+    if held_out:
+        for index, user in enumerate(users):
+            following.append(user.held_out.follow(user.simulation.progress, finished))
+            if user.cross is not None:
+                other = users[(index + 1) % len(users)]
+                following.append(user.cross.follow(other.simulation.progress, finished))
+    followers = [asyncio.create_task(f) for f in following]
+    runs = await asyncio.gather(*(u.simulation.run() for u in users))
     finished.set()
-    if following is not None:
-        await following
+    await asyncio.gather(*followers)
+    code = 0
+    for user, progress in zip(users, runs, strict=True):
+        code = max(code, await report(args, user, progress, run_id))
+    return code
+
+
+async def report(args: argparse.Namespace, user: User, progress: Progress, run_id: str) -> int:
+    """The judged rewards of the user's sessions, its per-version table, CSV and PNG."""
     rewards = []
     if args.redis_url:
         store = RedisSettings(
             url=args.redis_url, cluster=args.redis_cluster, stream_shards=args.stream_shards
         )
         rewards = await judged_rewards(
-            store, args.samples_stream, f"sim-{run_id}-", len(progress.outcomes),
-            args.settle_s,
+            store, args.samples_stream, f"sim-{user.simulation.config.run_id}-",
+            len(progress.outcomes), args.settle_s,
         )  # fmt: skip
-    stats = per_version(progress.outcomes, rewards, list(evaluator.found.values()))
+    cross = list(user.cross.found.values()) if user.cross else []
+    stats = per_version(progress.outcomes, rewards, list(user.held_out.found.values()), cross)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    check = scenario.check_name
-    write_csv(stats, args.out_dir / f"simulate-{run_id}.csv", check)
+    check = user.simulation.config.scenario.check_name
+    name = f"simulate-{run_id}" + (f"-{user.name}" if user.name else "")
+    write_csv(stats, args.out_dir / f"{name}.csv", check)
     minutes = (time.monotonic() - progress.started) / 60
     turns = len(progress.outcomes)
-    title = f"clawrl simulate ({args.scenario}): {model}, {turns} turns in {minutes:.1f} min"
-    plot(stats, args.out_dir / f"simulate-{run_id}.png", title, check)
-    print(f"\n{table(stats, check)}\n\n{turns} turns, {progress.failures} failed requests, "
-          f"{evaluator.failures} failed evaluations, {minutes:.1f} min; wrote "
-          f"{args.out_dir}/simulate-{run_id}.csv and .png")  # fmt: skip
+    who = f"tenant {user.name}, {user.scenario}" if user.name else user.scenario
+    title = f"clawrl simulate ({who}): {user.simulation.model}, {turns} turns in {minutes:.1f} min"
+    plot(stats, args.out_dir / f"{name}.png", title, check)
+    failures = user.held_out.failures + (user.cross.failures if user.cross else 0)
+    print(f"\n{who}:\n{table(stats, check)}\n\n{turns} turns, {progress.failures} failed "
+          f"requests, {failures} failed evaluations, {minutes:.1f} min; wrote "
+          f"{args.out_dir}/{name}.csv and .png", flush=True)  # fmt: skip
     return 1 if progress.failures and not progress.outcomes else 0
 
 
@@ -286,7 +420,7 @@ async def evaluate(args: argparse.Namespace) -> int:
     except EvalError as exc:
         print(f"clawrl eval: {exc}", file=sys.stderr)
         return 1
-    found = scores(answers)
+    found = scores(answers, TASTES[args.taste].judge)
     for score in found:
         print(f"v{score.version}: held-out score {score.score:.3f} ({score.summary()})")
     # A sync during the evaluation splits it: no version was scored on every question.

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 MIN_WORDS = 15
 # Share of repeated word trigrams above which a reply is a loop, not prose (natural answers of a
@@ -31,6 +33,7 @@ class Verdict(enum.Enum):
     LAYOUT = "layout"  # line breaks or a list
     TOO_SHORT = "too_short"
     REPETITIVE = "repetitive"
+    PARAGRAPH = "paragraph"  # one block of text (the complaint of the user who wants lines)
 
 
 # What the user says about the reply before their next question. The judge's `stated_preference`
@@ -69,11 +72,49 @@ def verdict(reply: str) -> Verdict:
     return Verdict.PLEASED
 
 
+def lines_verdict(reply: str) -> Verdict:
+    """The opposite taste (the second tenant of `clawrl simulate --tenants 2`): the same collapse
+    guards, then pleased exactly when the paragraph user would complain of the layout (line
+    breaks or a list), so the two users pull one model in opposite directions."""
+    found = verdict(reply)
+    if found is Verdict.LAYOUT:
+        return Verdict.PLEASED
+    return Verdict.PARAGRAPH if found is Verdict.PLEASED else found
+
+
+LINES_REMARKS = {
+    Verdict.PLEASED: "Thanks, points on separate lines are just how I like it.",
+    Verdict.PARAGRAPH: "Please, break the answer into lines or a list next time, not one block.",
+    Verdict.TOO_SHORT: "Please, that is too short: give me a real answer, on separate lines.",
+    Verdict.REPETITIVE: "Please, you are repeating yourself: answer in clear separate points.",
+}
+
+
+@dataclass(frozen=True)
+class Preference:
+    """One simulated user's taste: its verdict on a reply and what it says about each verdict."""
+
+    name: str
+    judge: Callable[[str], Verdict]
+    remarks: Mapping[Verdict, str]
+
+    def satisfies(self, reply: str) -> bool:
+        return self.judge(reply) is Verdict.PLEASED
+
+    def next_message(self, reply: str, following: str | None) -> str:
+        """The remark on the last reply, then the next question (none at the session's end)."""
+        remark = self.remarks[self.judge(reply)]
+        return f"{remark} Next: {following}" if following else remark
+
+
+PARAGRAPH = Preference("paragraph", verdict, REMARKS)
+LINES = Preference("lines", lines_verdict, LINES_REMARKS)
+
+
 def satisfies(reply: str) -> bool:
-    return verdict(reply) is Verdict.PLEASED
+    return PARAGRAPH.satisfies(reply)
 
 
 def next_message(reply: str, following: str | None) -> str:
-    """The user's remark on the last reply, then the next question (none at the session's end)."""
-    remark = REMARKS[verdict(reply)]
-    return f"{remark} Next: {following}" if following else remark
+    """The paragraph user's remark on the last reply, then the next question."""
+    return PARAGRAPH.next_message(reply, following)

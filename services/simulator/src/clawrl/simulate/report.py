@@ -29,15 +29,19 @@ class VersionStats:
     samples: int  # judged samples with a reward (masked ones excluded)
     reward_mean: float | None
     held_out: float | None = None  # held-out score, when this version was evaluated
+    # This user's held-out score under another tenant's adapter of this version number
+    # (`clawrl simulate --tenants 2`): isolation keeps it from following this user's taste.
+    cross: float | None = None
 
 
 def per_version(
     outcomes: list[TurnOutcome],
     rewards: list[tuple[int, float]],
     held_out: list[HeldOutScore] = (),
+    cross: list[HeldOutScore] = (),
 ) -> list[VersionStats]:
     """Group the checked replies, the (version, reward) of judged samples and the held-out
-    scores by version."""
+    scores (own, and under the other tenant's adapter) by version."""
     turns: dict[int, list[bool]] = defaultdict(list)
     for outcome in outcomes:
         turns[outcome.version].append(outcome.ok)
@@ -45,6 +49,7 @@ def per_version(
     for version, reward in rewards:
         scored[version].append(reward)
     evaluated = {s.version: s.score for s in held_out}
+    crossed = {s.version: s.score for s in cross}
     return [
         VersionStats(
             version=v,
@@ -53,8 +58,9 @@ def per_version(
             samples=len(scored[v]),
             reward_mean=sum(scored[v]) / len(scored[v]) if scored[v] else None,
             held_out=evaluated.get(v),
+            cross=crossed.get(v),
         )
-        for v in sorted(set(turns) | set(scored) | set(evaluated))
+        for v in sorted(set(turns) | set(scored) | set(evaluated) | set(crossed))
     ]
 
 
@@ -62,15 +68,21 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _crossed(stats: list[VersionStats]) -> bool:
+    return any(s.cross is not None for s in stats)
+
+
 def table(stats: list[VersionStats], check_name: str = "liked") -> str:
+    crossed = _crossed(stats)
     lines = [
         f"{'version':>7}  {'turns':>6}  {check_name:>8}  {'samples':>7}  {'reward':>7}  "
-        f"{'held-out':>8}"
+        f"{'held-out':>8}" + (f"  {'other adapter':>13}" if crossed else "")
     ]
     for s in stats:
         lines.append(
             f"{s.version:>7}  {s.turns:>6}  {s.passed:>8.3f}  {s.samples:>7}  "
             f"{_number(s.reward_mean, '+.3f'):>7}  {_number(s.held_out, '.3f'):>8}"
+            + (f"  {_number(s.cross, '.3f'):>13}" if crossed else "")
         )
     return "\n".join(lines)
 
@@ -78,13 +90,15 @@ def table(stats: list[VersionStats], check_name: str = "liked") -> str:
 def write_csv(stats: list[VersionStats], path: Path, check_name: str = "liked") -> None:
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
+        crossed = _crossed(stats)
         writer.writerow(
             ["policy_version", "turns", check_name, "samples", "reward_mean", "held_out_score"]
+            + (["held_out_other_adapter"] if crossed else [])
         )
         for s in stats:
-            reward = "" if s.reward_mean is None else f"{s.reward_mean:.4f}"
-            held_out = "" if s.held_out is None else f"{s.held_out:.4f}"
-            writer.writerow([s.version, s.turns, f"{s.passed:.4f}", s.samples, reward, held_out])
+            scores = [s.reward_mean, s.held_out] + ([s.cross] if crossed else [])
+            cells = ["" if value is None else f"{value:.4f}" for value in scores]
+            writer.writerow([s.version, s.turns, f"{s.passed:.4f}", s.samples, *cells])
 
 
 def plot(stats: list[VersionStats], path: Path, title: str, check_name: str = "liked") -> None:
@@ -105,6 +119,10 @@ def plot(stats: list[VersionStats], path: Path, title: str, check_name: str = "l
     if evaluated:
         ax.plot([s.version for s in evaluated], [s.held_out for s in evaluated], "^-",
                 label="held-out score (greedy, never trained)")  # fmt: skip
+    crossed = [s for s in stats if s.cross is not None]
+    if crossed:
+        ax.plot([s.version for s in crossed], [s.cross for s in crossed], "v--",
+                label="held-out score under the other tenant's adapter")  # fmt: skip
     ax.set_xlabel("policy version")
     ax.set_ylim(-1.05, 1.05)
     ax.axhline(0, color="grey", linewidth=0.5)

@@ -3,6 +3,8 @@ and its next message (a remark on the reply, then the next question).
 
 - `preference` (the default): open questions; the user wants one paragraph, no lists or line
   breaks, and says so (judge reward: `clawrl.judge.reward_examples:stated_preference`).
+- `lines`: the opposite taste (the second user of `clawrl simulate --tenants 2`): points on
+  separate lines or a list, never one block of text (same judge reward).
 - `arithmetic`: word problems; the user names the right number ("Correct, thanks: the answer is
   8." / "No, that's wrong, ..."; judge reward: `arithmetic_confirmed`).
 """
@@ -25,16 +27,25 @@ class Scenario:
     text: Callable[[Any], str]  # the question as the user writes it
     check: Callable[[str, Any], bool]  # does the reply to the item pass the user's check
     remark: Callable[[str, Any, Any | None], str]  # next message: verdict, then next question
+    # The taste the held-out score measures (`clawrl eval`); None: no held-out score.
+    taste: preference.Preference | None = None
 
 
-PREFERENCE = Scenario(
-    check_name="liked",
-    system_prompt=None,  # the model's own default: the preference is the user's, never told
-    draw=questions.training_question,
-    text=lambda question: question,
-    check=lambda reply, _question: preference.satisfies(reply),
-    remark=lambda reply, _question, following: preference.next_message(reply, following),
-)
+def open_questions(taste: preference.Preference) -> Scenario:
+    """Open questions to a user with this taste, which it never tells the model up front."""
+    return Scenario(
+        check_name="liked",
+        system_prompt=None,  # the model's own default: the preference is the user's, never told
+        draw=questions.training_question,
+        text=lambda question: question,
+        check=lambda reply, _question: taste.satisfies(reply),
+        remark=lambda reply, _question, following: taste.next_message(reply, following),
+        taste=taste,
+    )
+
+
+PREFERENCE = open_questions(preference.PARAGRAPH)
+LINES = open_questions(preference.LINES)
 
 ARITHMETIC = Scenario(
     check_name="accuracy",
@@ -45,4 +56,4 @@ ARITHMETIC = Scenario(
     remark=problems.next_message,
 )
 
-SCENARIOS = {"preference": PREFERENCE, "arithmetic": ARITHMETIC}
+SCENARIOS = {"preference": PREFERENCE, "lines": LINES, "arithmetic": ARITHMETIC}

@@ -31,11 +31,13 @@ class SimulationConfig:
     seed: int
     run_id: str
     scenario: Scenario = PREFERENCE
+    label: str = ""  # names the user in progress lines (one of several tenants)
 
 
 @dataclass
 class Progress:
     check_name: str = "liked"
+    label: str = ""
     started: float = field(default_factory=time.monotonic)
     sessions_done: int = 0
     failures: int = 0
@@ -46,9 +48,9 @@ class Progress:
         recent = self.outcomes[-50:]
         passed = sum(o.ok for o in recent) / len(recent) if recent else 0.0
         return (
-            f"[{time.monotonic() - self.started:6.0f}s] sessions {self.sessions_done}  turns "
-            f"{len(self.outcomes)}  {self.check_name}(last 50) {passed:.2f}  policy "
-            f"v{self.newest_version}  failed requests {self.failures}"
+            f"[{time.monotonic() - self.started:6.0f}s] {self.label}sessions "
+            f"{self.sessions_done}  turns {len(self.outcomes)}  {self.check_name}(last 50) "
+            f"{passed:.2f}  policy v{self.newest_version}  failed requests {self.failures}"
         )
 
 
@@ -57,7 +59,8 @@ class Simulation:
         self.client = client
         self.model = model
         self.config = config
-        self.progress = Progress(check_name=config.scenario.check_name)
+        label = f"{config.label}: " if config.label else ""
+        self.progress = Progress(check_name=config.scenario.check_name, label=label)
         self.stop = asyncio.Event()
 
     def session_id(self, index: int) -> str:

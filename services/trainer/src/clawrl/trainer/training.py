@@ -379,4 +379,6 @@ class Trainer:
                 figures.get("grad_norm", 0.0), figures["tokens_per_second"], figures["step_s"],
                 figures["logprobs_s"], figures.get("forward_backward_s", 0.0),
                 figures.get("optimizer_s", 0.0),
+                # Per-tenant mode: the adapter the step trained (shared: the shared policy's).
+                extra={"adapter": collected.tenant or "shared"} if self.intake.queues else None,
             )  # fmt: skip
