@@ -1,11 +1,12 @@
 """The Megatron backend as the trainer runs it (Ray actors, gloo on CPU) on the families beyond
 Llama, loaded and exported through mbridge: a tiny random Qwen3 (QK-norm, tied embeddings) at
-TP=2 and a tiny random Qwen3-MoE (4 experts, top 2) at TP=1 -- log-probs equal transformers',
-PPO steps move the rewarded tokens' log-probs the right way and equal the torch backend's
-(transformers + AdamW, in this process), the export reloads in transformers and in the CPU
-engine with the trained log-probs, a saved state resumes exactly; the MoE model at TP=2 is
-refused with the reason. (TP=1 vs TP=2 per family: tests/integration/megatron/
-test_tp_equivalence.py; the backend's TP=2 steps equal TP=1's: test_megatron_backend.py.)"""
+TP=2 and a tiny random Qwen3-MoE (4 experts, top 2) at TP=1 and at TP=2 (sequence parallel) --
+log-probs equal transformers', PPO steps move the rewarded tokens' log-probs the right way and
+equal the torch backend's (transformers + AdamW, in this process; so TP=2's equal TP=1's), the
+export reloads in transformers and in the CPU engine with the trained log-probs, a saved state
+resumes exactly; the MoE model at TP=2 without sequence parallelism is refused with the reason.
+(TP=1 vs TP=2 per family: tests/integration/megatron/test_tp_equivalence.py; the backend's TP=2
+steps equal TP=1's: test_megatron_backend.py.)"""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tests.unit.trainer.test_torch_backend import samples as torch_backend_sampl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-LAYOUTS = [("qwen3", 2), ("qwen3_moe", 1)]
+LAYOUTS = [("qwen3", 2), ("qwen3_moe", 1), ("qwen3_moe", 2)]
 STEPS = 3
 
 
@@ -46,13 +47,13 @@ TRAIN = TrainSettings(backend="megatron", device="cpu", micro_batch_tokens=12)
 PPO = PPOSettings(lr=1e-2)
 
 
-def settings(model_dir: Path, tp: int) -> TrainerSettings:
+def settings(model_dir: Path, tp: int, sequence_parallel: bool = True) -> TrainerSettings:
     return TrainerSettings(
         model=ModelSettings(path=str(model_dir)),
         train=TRAIN,
         ppo=PPO,
         ray=RaySettings(actor_num_cpus=1),
-        megatron=MegatronSettings(tensor_parallel_size=tp),
+        megatron=MegatronSettings(tensor_parallel_size=tp, sequence_parallel=sequence_parallel),
     )
 
 
@@ -67,7 +68,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 async def backends(model_dirs) -> dict[tuple[str, int], ActorGroup]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
     groups = {}
     for family, tp in LAYOUTS:
         groups[family, tp] = ActorGroup(start_actors(settings(model_dirs[family], tp)))
@@ -135,7 +136,7 @@ async def test_ppo_steps_learn_and_equal_the_torch_backend(backends, model_dirs,
     assert torch.allclose(after, ref_after, atol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "tp"), [("qwen3", 2), ("qwen3_moe", 1)])
+@pytest.mark.parametrize(("family", "tp"), LAYOUTS)
 async def test_export_reloads_in_transformers_and_the_cpu_engine(
     backends, model_dirs, tmp_path, family, tp
 ):
@@ -172,6 +173,6 @@ async def test_moe_state_resumes_exactly(backends, tmp_path):
     assert torch.equal(first, await one_step())
 
 
-def test_moe_at_tp2_is_refused_with_the_reason(model_dirs):
-    with pytest.raises(LayoutError, match="mixture-of-experts model trains at TP=1 only"):
-        check_layout(settings(model_dirs["qwen3_moe"], 2), model_dirs["qwen3_moe"])
+def test_moe_at_tp2_without_sequence_parallel_is_refused_with_the_reason(model_dirs):
+    with pytest.raises(LayoutError, match="at TP > 1 needs sequence parallelism"):
+        check_layout(settings(model_dirs["qwen3_moe"], 2, False), model_dirs["qwen3_moe"])

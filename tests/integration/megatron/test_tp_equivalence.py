@@ -1,7 +1,8 @@
 """Megatron GPTModel loaded through mbridge vs HF transformers on tiny random Llama / Qwen2 / Qwen3
-/ Qwen3-MoE models, at TP=1 and at TP=2 (two real processes on gloo): log-probs, entropy, top-K
-log-probs, gradients and the gradient norm agree to fp32 rounding; mbridge's export of the TP
-shards gives back exactly the HF checkpoint's tensors."""
+/ Qwen3-MoE models, at TP=1 and at TP=2 (two real processes on gloo; sequence parallel, and the
+dense families also without): log-probs, entropy, top-K log-probs, gradients and the gradient
+norm agree to fp32 rounding; mbridge's export of the TP shards gives back exactly the HF
+checkpoint's tensors; at TP=2 sequence parallelism changes neither the log-probs nor the step."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def run_ranks(tp: int, directory) -> list[dict]:
 def test_megatron_matches_transformers(tp, tmp_path):
     results = run_ranks(tp, tmp_path)
     assert [r["rank"] for r in results] == list(range(tp))
+    families = set(results[0]["families"])
+    assert {"qwen3_moe", "qwen3_moe_unnormalised"} <= families
+    assert tp == 1 or {"llama/no_sp", "qwen2/no_sp", "qwen3/no_sp"} <= families
     for result in results:
         for family, diffs in result["families"].items():
             print(f"TP={tp} rank {result['rank']} {family}: {diffs}")
@@ -62,3 +66,6 @@ def test_megatron_matches_transformers(tp, tmp_path):
             assert diffs["topk"] < TOL, (family, diffs)
             assert diffs["grads"] < 1e-4, (family, diffs)
             assert diffs["grad_norm"] < 1e-5, (family, diffs)
+            if family.endswith("/no_sp"):
+                assert diffs["logp_vs_sp"] < TOL, (family, diffs)
+                assert diffs["step_vs_sp"] < 1e-5, (family, diffs)

@@ -2,7 +2,9 @@
 RANK TP PORT DIR` saves each tiny family under DIR, loads it into Megatron at TP (gloo) through
 mbridge, and prints one JSON line with the max abs differences to HF transformers: log-probs,
 entropy, top-K log-probs, the weights exported back through mbridge, the gradients (as the
-weights exported after one SGD step of lr 1 on both sides) and the TP-aware gradient norm."""
+weights exported after one SGD step of lr 1 on both sides) and the TP-aware gradient norm.
+At TP > 1 every family runs with sequence parallelism, and the dense ones also without it
+("<family>/no_sp", with the max differences between the two runs' log-probs and steps)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from clawrl.trainer.megatron import logprobs as vp
 from clawrl.trainer.megatron.cpu_compat import apply_cpu_workarounds, seed_model_parallel_rng
 from clawrl.trainer.megatron.layout import ModelShape
 from clawrl.trainer.megatron.rank import (
-    allreduce_qk_norm_grads,
+    allreduce_partial_grads,
     causal_mask,
     tp_clip_grad_norm,
 )
@@ -41,11 +43,15 @@ def saved(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "model.safetensors")
 
 
-def check_family(config, rank: int, tp: int, directory: Path) -> dict[str, float]:
+def check_family(
+    config, rank: int, tp: int, directory: Path, sequence_parallel: bool
+) -> tuple[dict[str, float], torch.Tensor, dict[str, torch.Tensor]]:
+    """-> (the differences to transformers, the log-probs, the weights after the SGD step)."""
     hf = random_hf_model(config)
     ref_params = saved(hf, directory)
     shape = ModelShape.from_hf_config(config)
-    bridge = mb.make_bridge(config, shape, tp, torch.float32, on_gpu=False)
+    bridge = mb.make_bridge(config, shape, tp, torch.float32, False, sequence_parallel)
+    assert bridge.config.sequence_parallel == (sequence_parallel and tp > 1)
     model = mb.build_model(bridge, config, torch.device("cpu"))
     mb.load_hf_dir(bridge, model, directory)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -58,7 +64,7 @@ def check_family(config, rank: int, tp: int, directory: Path) -> dict[str, float
     topk = vp.logprobs_at(logits, ids[:, 1:, None].expand(-1, -1, 3) + torch.arange(3),
                           config.vocab_size, rank)  # fmt: skip
     (logp * weights).sum().backward()
-    allreduce_qk_norm_grads(model)
+    allreduce_partial_grads(model)
     grad_norm = tp_clip_grad_norm(list(model.parameters()), max_norm=1e9)
 
     ref_all = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1]
@@ -77,14 +83,18 @@ def check_family(config, rank: int, tp: int, directory: Path) -> dict[str, float
         for param in list(model.parameters()) + list(hf.parameters()):
             param.sub_(param.grad)
     stepped = {n: t.clone() for n, t in mb.export_hf(bridge, model)}
-    return {
-        "logp": (logp - ref_logp).abs().max().item(),
-        "entropy": (entropy - (-(ref_all.exp() * ref_all).sum(-1))).abs().max().item(),
-        "topk": (topk - ref_topk)[valid_topk].abs().max().item(),
-        "weights_equal": weights_equal,
-        "grads": max_diff(stepped, saved(hf, directory / "stepped")),
-        "grad_norm": abs(grad_norm - ref_norm.item()) / ref_norm.item(),
-    }
+    return (
+        {
+            "logp": (logp - ref_logp).abs().max().item(),
+            "entropy": (entropy - (-(ref_all.exp() * ref_all).sum(-1))).abs().max().item(),
+            "topk": (topk - ref_topk)[valid_topk].abs().max().item(),
+            "weights_equal": weights_equal,
+            "grads": max_diff(stepped, saved(hf, directory / "stepped")),
+            "grad_norm": abs(grad_norm - ref_norm.item()) / ref_norm.item(),
+        },
+        logp.detach(),
+        stepped,
+    )
 
 
 def main() -> None:
@@ -97,11 +107,16 @@ def main() -> None:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     seed_model_parallel_rng(0, rank)
-    # MoE trains at TP=1 only (the layout check refuses it at TP > 1)
-    families = [f for f, c in tiny_configs().items() if tp == 1 or not hasattr(c, "num_experts")]
-    result = {
-        family: check_family(tiny_configs()[family], rank, tp, root / family) for family in families
-    }
+    result = {}
+    for family, config in tiny_configs().items():
+        result[family], logp, stepped = check_family(config, rank, tp, root / family, True)
+        if tp > 1 and not hasattr(config, "num_experts"):  # MoE at TP > 1 needs SP
+            diffs, logp_no_sp, stepped_no_sp = check_family(
+                config, rank, tp, root / f"{family}_no_sp", False
+            )
+            diffs["logp_vs_sp"] = (logp - logp_no_sp).abs().max().item()
+            diffs["step_vs_sp"] = max_diff(stepped, stepped_no_sp)
+            result[f"{family}/no_sp"] = diffs
     print(json.dumps({"rank": rank, "tp": tp, "families": result}), flush=True)
     dist.destroy_process_group()
 

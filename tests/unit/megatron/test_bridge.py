@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawrl.trainer.megatron.bridge import make_bridge, mbridge_name, runtime_overrides
+from clawrl.trainer.megatron.bridge import (
+    RMSNorm,
+    local_block_spec,
+    make_bridge,
+    mbridge_name,
+    runtime_overrides,
+)
 from clawrl.trainer.megatron.layout import ModelShape
 from tests.conftest import free_port
 from tests.unit.megatron.tiny import tiny_configs
@@ -42,6 +48,18 @@ def test_overrides_switch_off_what_the_local_spec_cannot_run():
     moe = runtime_overrides(ModelShape.from_hf_config(tiny_configs()["qwen3_moe"]), on_gpu=True)
     assert moe["moe_grouped_gemm"] is False and moe["moe_token_dispatcher_type"] == "allgather"
     assert moe["moe_router_pre_softmax"] is False  # norm_topk_prob=True: top-k, then softmax
+    assert runtime_overrides(ModelShape.from_hf_config(tiny_configs()["llama"]), False, True)[
+        "sequence_parallel"
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_every_norm_of_the_local_spec_allows_sequence_parallelism(family):
+    # megatron-core's torch norm asserts sequence parallelism is off: none may be left
+    spec = repr(local_block_spec(ModelShape.from_hf_config(tiny_configs()[family]), 2))
+    assert "WrappedTorchNorm" not in spec and "bridge.RMSNorm" in spec
+    norm = RMSNorm(type("Config", (), {"sequence_parallel": True}), 8, eps=1e-6)
+    assert norm.weight.sequence_parallel and norm.eps == 1e-6  # its grads get all-reduced
 
 
 @pytest.fixture

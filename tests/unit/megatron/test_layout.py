@@ -119,12 +119,14 @@ def test_start_up_check_refuses_tp2_for_smollm2_135m():
         check_layout(settings, model_dir)
 
 
-def test_cpu_refuses_more_ranks_than_kv_heads(tmp_path):
-    tiny_configs()["llama"].save_pretrained(tmp_path)  # 4 heads, 2 KV heads
-    settings = TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=4))
-    with pytest.raises(LayoutError, match="cannot exceed the model's 2 KV heads"):
-        check_layout(settings, tmp_path)
+def test_start_up_check_reads_sequence_parallel_from_the_settings(tmp_path):
+    tiny_configs()["qwen3_moe"].save_pretrained(tmp_path)
     check_layout(TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=2)), tmp_path)
+    no_sp = MegatronSettings(tensor_parallel_size=2, sequence_parallel=False)
+    with pytest.raises(LayoutError, match="needs sequence parallelism"):
+        check_layout(TrainerSettings(megatron=no_sp), tmp_path)
+    # more ranks than KV heads (4 heads, 2 KV heads) runs on CPU too
+    check_layout(TrainerSettings(megatron=MegatronSettings(tensor_parallel_size=4)), tmp_path)
 
 
 def test_moe_layouts_that_cannot_run_are_refused_with_the_reason():
@@ -135,8 +137,9 @@ def test_moe_layouts_that_cannot_run_are_refused_with_the_reason():
     shape = ModelShape.from_hf_config(tiny_configs()["qwen3_moe"])
     assert (shape.num_experts, shape.experts_per_token, shape.moe_ffn_hidden_size) == (4, 2, 16)
     check_tensor_parallel(shape, 1)
-    with pytest.raises(LayoutError, match=r"trains at TP=1 only.*no sequence parallelism"):
-        check_tensor_parallel(shape, 2)
+    check_tensor_parallel(shape, 2)  # sequence parallel (the default)
+    with pytest.raises(LayoutError, match=r"at TP > 1 needs sequence parallelism"):
+        check_tensor_parallel(shape, 2, sequence_parallel=False)
     with pytest.raises(LayoutError, match=r"mlp_only_layers=\[1\] is not supported"):
         ModelShape.from_hf_config(Qwen3MoeConfig(mlp_only_layers=[1], **MOE, **COMMON))
     with pytest.raises(LayoutError, match="decoder_sparse_step=2 is not supported"):

@@ -34,6 +34,7 @@ def rank_config(settings: TrainerSettings) -> RankConfig:
     )
     return RankConfig(
         tp=settings.megatron.tensor_parallel_size,
+        sequence_parallel=settings.megatron.sequence_parallel,
         device=device,
         dtype=dtype,
         seed=train.seed,
@@ -51,15 +52,8 @@ def check_layout(settings: TrainerSettings, model_dir: Path) -> ModelShape:
     from transformers import AutoConfig
 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    tp = settings.megatron.tensor_parallel_size
-    check_tensor_parallel(shape, tp)
-    if tp > shape.num_kv_heads and rank_config(settings).device == "cpu":
-        # Megatron then all-gathers the fused qkv, and its gather/reduce-scatter buffers are
-        # allocated on CUDA (a fourth CUDA assumption, not worked around).
-        raise LayoutError(
-            f"on CPU the tensor parallel size ({tp}) cannot exceed the model's "
-            f"{shape.num_kv_heads} KV heads"
-        )
+    megatron = settings.megatron
+    check_tensor_parallel(shape, megatron.tensor_parallel_size, megatron.sequence_parallel)
     return shape
 
 

@@ -9,8 +9,10 @@ experts, tied embeddings, vocabulary padding); what this module adds is the same
   spec everywhere (torch modules; experts as `SequentialMLP`). So the bridge gets the local spec,
   and the local spec's parameter names are translated to the TE names mbridge maps (the separate
   input / pre-MLP norms, `local_experts.E.linear_fcN.weight`).
-- The runtime switches mbridge sets for GPU speed (sequence parallel, fused kernels, grouped GEMM,
-  dropout from the HF config) are set to what runs on both devices and computes the HF function.
+- The runtime switches mbridge sets for GPU speed (fused kernels, grouped GEMM, dropout from the HF
+  config) are set to what runs on both devices and computes the HF function; sequence parallelism
+  is the backend's setting (on by default at TP > 1, as mbridge has it), and the local spec's
+  norms become ones that run under it (megatron-core's torch norm refuses it).
 - RoPE: transformers' exact inverse frequencies (llama3 / linear scaling) replace Megatron's,
   and the interpolation factor mbridge derives from `rope_scaling` is cleared (they carry it).
 - The TP attributes Megatron sets only while initialising weights (skipped: they are loaded) are
@@ -50,14 +52,16 @@ def mbridge_name(local: str, moe: bool) -> str:
     return local
 
 
-def runtime_overrides(shape: ModelShape, on_gpu: bool) -> dict[str, Any]:
+def runtime_overrides(
+    shape: ModelShape, on_gpu: bool, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """TransformerConfig fields set over mbridge's: no dropout (TP ranks and the HF model compute
-    the same function), no sequence parallel (the backend's forward works on full sequences),
-    no fused / TE / grouped-GEMM kernels (the local spec has none), weights loaded not drawn."""
+    the same function), sequence parallelism as asked (TP > 1 only), no fused / TE /
+    grouped-GEMM kernels (the local spec has none), weights loaded not drawn."""
     overrides: dict[str, Any] = {
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
-        "sequence_parallel": False,
+        "sequence_parallel": sequence_parallel,
         "attention_softmax_in_fp32": True,
         "use_cpu_initialization": not on_gpu,
         "perform_initialization": False,
@@ -83,11 +87,63 @@ def runtime_overrides(shape: ModelShape, on_gpu: bool) -> dict[str, Any]:
     return overrides
 
 
-def make_bridge(hf_config: Any, shape: ModelShape, tp: int, dtype: torch.dtype, on_gpu: bool):
-    """mbridge's bridge for this model family, set up for the local spec (parallel state must be
-    initialised: mbridge reads the TP group from it)."""
-    from mbridge import AutoBridge
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built the way Megatron builds its norms, usable with sequence parallelism
+    (megatron-core's `WrappedTorchNorm` asserts it is off; its sequence-parallel norm needs Apex).
+    Under sequence parallelism each rank normalises its own part of the sequence, so the weight's
+    gradient is a partial sum: the attribute tells the step (and Megatron's
+    `finalize_model_grads`) to add it up over the TP group."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_norm(spec: Any, norm: type) -> Any:
+    """A copy of a layer spec with every megatron-core torch norm replaced by `norm`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return norm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=_with_norm(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = {f.name: _with_norm(getattr(spec, f.name), norm) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **fields)
+    return spec
+
+
+def local_block_spec(shape: ModelShape, num_layers: int):
+    """megatron-core's local (torch) GPT layer spec, every layer, and the final norm, with norms
+    that run under sequence parallelism."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=shape.qk_norm,
+        normalization="RMSNorm",
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[_with_norm(layer, RMSNorm)] * num_layers, layer_norm=RMSNorm
+    )
+
+
+def make_bridge(
+    hf_config: Any,
+    shape: ModelShape,
+    tp: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    sequence_parallel: bool = False,
+):
+    """mbridge's bridge for this model family, set up for the local spec (parallel state must be
+    initialised: mbridge reads the TP group from it); `sequence_parallel` applies at TP > 1."""
+    from mbridge import AutoBridge
 
     from clawrl.trainer.megatron.cpu_compat import define_missing_te_names
 
@@ -106,13 +162,8 @@ def make_bridge(hf_config: Any, shape: ModelShape, tp: int, dtype: torch.dtype, 
         if shape.tied_embeddings
         else "lm_head.weight",
     }
-    bridge.set_extra_args(**runtime_overrides(shape, on_gpu))
-    spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None,
-        moe_grouped_gemm=False,
-        qk_layernorm=shape.qk_norm,
-        normalization="RMSNorm",
-    )
+    bridge.set_extra_args(**runtime_overrides(shape, on_gpu, sequence_parallel and tp > 1))
+    spec = local_block_spec(shape, hf_config.num_hidden_layers)
     # mbridge asks this method for the (TE) layer spec; the instance attribute answers instead.
     bridge._get_transformer_layer_spec = lambda vp_stage=None: spec
     bridge.has_vp_stage = False

@@ -1,17 +1,18 @@
 """megatron-core 0.16.1's CUDA assumptions, worked around for CPU runs (tests, benchmarks).
 
-Applied once per process by `apply_cpu_workarounds()`, and only when the backend's device is CPU;
-on GPUs megatron-core runs unchanged. What each patch replaces (everything else -- GPTModel, the
-tensor-parallel layers, vocab-parallel cross entropy -- runs as shipped, on gloo):
+Applied once per process by `apply_cpu_workarounds()`, and only when the backend's device is CPU
+(a rank process of its own); on GPUs megatron-core runs unchanged. What each patch replaces
+(everything else -- GPTModel, the tensor-parallel layers and their sequence-parallel
+communication, vocab-parallel cross entropy -- runs as shipped, on gloo):
 
-1. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on first use; the
-   replacement computes the same embedding on the device `inv_freq` already lives on.
-2. `GlobalMemoryBuffer.get_tensor` allocates its scratch buffer on CUDA; the replacement
-   allocates on CPU.
-3. `CudaRNGStatesTracker` forks CUDA generator states (weight init and dropout inside
+1. `torch.cuda.current_device()` answers "cpu". megatron-core places what it allocates on the
+   forward / backward path there: the RoPE frequencies and the MoE router's weight (moved there on
+   first use), its scratch buffer, the sequence-parallel gather / reduce-scatter outputs (in
+   `tensor_parallel.mappings` and the linear layers' backward) -- about thirty call sites. Without
+   CUDA the call raises, so only calls that would fail change; with CUDA present (a CPU run on a
+   GPU machine) they would put tensors on the GPU.
+2. `CudaRNGStatesTracker` forks CUDA generator states (weight init and dropout inside
    model-parallel regions); a tracker with the same interface over the CPU generator is installed.
-4. `Router.gating` (MoE) moves the router's weight to `torch.cuda.current_device()` when it finds
-   it on CPU; the replacement computes the same gating linear where the weight lives.
 
 One fix applies on every device without Transformer Engine (this backend's local spec needs
 none), by `define_missing_te_names()`: megatron-core 0.16.1's MoE router gating reads
@@ -19,54 +20,24 @@ none), by `define_missing_te_names()`: megatron-core 0.16.1's MoE router gating 
 to None sends the router down Megatron's own torch path.
 
 MoE also needs, as configuration rather than patches (`bridge.runtime_overrides`): the allgather
-token dispatcher (alltoall opens a `torch.cuda.Stream()` when built) and no grouped GEMM.
+token dispatcher (alltoall opens a `torch.cuda.Stream()` when built) and no grouped GEMM; and
+sequence parallelism needs norms that allow it (`bridge.RMSNorm`: megatron-core's torch norm
+refuses it, its own needs Apex).
 
 Still unsupported on CPU (megatron-core assumes CUDA too widely there): its DDP wrapper,
 `get_megatron_optimizer`/DistributedOptimizer and `dist_checkpointing` -- the CPU backend uses a
 torch optimizer and its own sharded save -- plus TE/Apex kernels, RoPE / gradient-accumulation
-fusion, persistent layer norm and sequence parallelism (the model config switches them off).
+fusion and persistent layer norm (the model config switches them off).
 """
 
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Iterator
-from functools import reduce
 
 import torch
 
 _APPLIED: list[bool] = []  # a flag, not state: patches are per process and idempotent
-
-
-def _rope_emb_in_place(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-    """RotaryEmbedding.get_emb without the move to CUDA: emb [s, 1, 1, dim]."""
-    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-    if not self.rotary_interleaved:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    else:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    return emb[:, None, None, :]
-
-
-def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
-    """GlobalMemoryBuffer.get_tensor allocating on CPU."""
-    required_len = reduce(operator.mul, tensor_shape, 1)
-    buffer = self.buffer.get((name, dtype))
-    if buffer is None or buffer.numel() < required_len:
-        buffer = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
-        self.buffer[(name, dtype)] = buffer
-    return buffer[0:required_len].view(*tensor_shape)
-
-
-def _router_gating_in_place(self, input: torch.Tensor) -> torch.Tensor:
-    """Router.gating without the move to CUDA: logits in the router dtype."""
-    from megatron.core.transformer.moe.moe_utils import router_gating_linear
-
-    router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
-        self.config.moe_router_dtype, input.dtype
-    )
-    return router_gating_linear(input, self.weight, self.bias, router_dtype)
 
 
 def _cpu_rng_tracker_class():
@@ -107,19 +78,18 @@ def define_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
 def apply_cpu_workarounds() -> None:
     """Patch megatron-core for CPU in this process (idempotent; never call it on a GPU run)."""
     if _APPLIED:
         return
-    from megatron.core import utils
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe.router import Router
 
-    RotaryEmbedding.get_emb = _rope_emb_in_place
-    Router.gating = _router_gating_in_place
+    torch.cuda.current_device = _cpu_current_device
     define_missing_te_names()
-    utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
     tp_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _APPLIED.append(True)

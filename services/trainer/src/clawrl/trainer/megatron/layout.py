@@ -89,8 +89,9 @@ def _moe_fields(config: Any) -> dict[str, Any]:
     }
 
 
-def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
-    """Refuse a TP size that does not split the model's heads and MLP evenly."""
+def check_tensor_parallel(shape: ModelShape, tp: int, sequence_parallel: bool = True) -> None:
+    """Refuse a TP size that does not split the model's heads and MLP evenly, and MoE at TP > 1
+    without sequence parallelism."""
     if tp < 1:
         raise LayoutError(f"tensor parallel size must be >= 1, got {tp}")
     problems = []
@@ -99,12 +100,11 @@ def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
     kv = shape.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by it")
-    if shape.num_experts and tp > 1:
-        # megatron-core 0.16.1's MoELayer.forward raises in training when TP > 1 runs without
-        # sequence parallelism, and this backend's forward (full sequences, gloo on CPU) has none.
+    if shape.num_experts and tp > 1 and not sequence_parallel:
+        # megatron-core 0.16.1's MoELayer.forward raises in training at TP > 1 without it
         problems.append(
-            "a mixture-of-experts model trains at TP=1 only here (megatron-core refuses MoE with "
-            "tensor parallelism but no sequence parallelism, which this backend does not run)"
+            "a mixture-of-experts model at TP > 1 needs sequence parallelism (megatron-core "
+            "refuses MoE with tensor parallelism without it): set megatron.sequence_parallel=true"
         )
     if shape.num_experts:
         if shape.moe_ffn_hidden_size % tp:

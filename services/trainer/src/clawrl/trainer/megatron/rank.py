@@ -48,6 +48,7 @@ class RankConfig:
     beta2: float
     weight_decay: float
     grad_clip: float
+    sequence_parallel: bool = True  # applies at tp > 1
 
 
 def node_address() -> str:
@@ -64,6 +65,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def pad_to_multiple(input_ids: Tensor, multiple: int) -> Tensor:
+    """Right-pad token ids [b, L] with 0 to a length divisible by `multiple`."""
+    pad = -input_ids.shape[1] % multiple
+    return torch.nn.functional.pad(input_ids, (0, pad)) if pad else input_ids
 
 
 def causal_mask(length: int, device: torch.device) -> Tensor:
@@ -95,17 +102,21 @@ def tp_clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> floa
     return norm
 
 
-def allreduce_qk_norm_grads(model: torch.nn.Module) -> None:
-    """QK-norm weights are replicated but each rank applies them to its own heads only, so their
-    gradients are partial sums: add them up over the TP group (Megatron's finalize_model_grads
-    does the same on GPU)."""
+def allreduce_partial_grads(model: torch.nn.Module) -> None:
+    """Replicated weights whose gradients are partial sums on each rank, added up over the TP
+    group (Megatron's finalize_model_grads does the same on GPU): QK-norm weights (each rank
+    applies them to its own heads), and under sequence parallelism every weight marked
+    `sequence_parallel` (norms, the MoE router: each rank sees its part of the sequence)."""
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
     group = parallel_state.get_tensor_model_parallel_group()
     for name, param in model.named_parameters():
-        if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+        partial = getattr(param, "sequence_parallel", False) or (
+            "q_layernorm" in name or "k_layernorm" in name
+        )
+        if param.grad is not None and partial:
             torch.distributed.all_reduce(param.grad, group=group)
 
 
@@ -156,8 +167,10 @@ class MegatronRank:
     def _build(self, hf_config):
         model = mb.build_model(self.bridge, hf_config, self.device)
         mb.load_hf_dir(self.bridge, model, self.model_dir)
-        # Only the response rows go through the output layer (see `_response_logits`).
+        # Only the response rows go through the output layer (see `_response_logits`), which
+        # gets them from the whole (gathered) sequence.
         model.post_process = False
+        model.output_layer.sequence_parallel = False
         return model
 
     def load(self, model_dir: Path, *, load_reference: bool) -> None:
@@ -167,9 +180,11 @@ class MegatronRank:
         self.model_dir = Path(model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = ModelShape.from_hf_config(hf_config)
-        check_tensor_parallel(self.shape, self.cfg.tp)
+        check_tensor_parallel(self.shape, self.cfg.tp, self.cfg.sequence_parallel)
         on_gpu = self.device.type == "cuda"
-        self.bridge = mb.make_bridge(hf_config, self.shape, self.cfg.tp, self.dtype, on_gpu)
+        self.bridge = mb.make_bridge(
+            hf_config, self.shape, self.cfg.tp, self.dtype, on_gpu, self.cfg.sequence_parallel
+        )
         self.model = self._build(hf_config)
         self.model.train()
         if load_reference:
@@ -220,13 +235,25 @@ class MegatronRank:
         return model.module if hasattr(model, "module") else model
 
     def _response_logits(self, model, micro: TrainBatch) -> Tensor:
-        """-> [b, R, v/tp]: this rank's vocab slice of the logits predicting each response token."""
+        """-> [b, R, v/tp]: this rank's vocab slice of the logits predicting each response token.
+
+        Under sequence parallelism the decoder returns this rank's 1/TP of the sequence: the
+        sequence is padded on the right to a multiple of TP (causal attention: the padding
+        changes no real position) and gathered before the response rows are taken. The gather's
+        backward only splits, as the output layer's input region all-reduces the rows' grads."""
+        gpt = self._gpt(model)
         input_ids = micro.input_ids.to(self.device)
+        sequence_parallel = gpt.config.sequence_parallel
+        if sequence_parallel:
+            input_ids = pad_to_multiple(input_ids, self.cfg.tp)
         length = input_ids.shape[1]
         positions = torch.arange(length, device=self.device)[None, :].expand_as(input_ids)
-        hidden = model(input_ids, positions, causal_mask(length, self.device))  # [L, b, h]
+        hidden = model(input_ids, positions, causal_mask(length, self.device))  # [L(/tp), b, h]
+        if sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         rows = response_rows(hidden.transpose(0, 1), micro.prompt_lengths, micro.response_width)
-        gpt = self._gpt(model)
         weight = (
             gpt.shared_embedding_or_output_weight()
             if gpt.share_embeddings_and_output_weights
@@ -303,7 +330,7 @@ class MegatronRank:
             finalize_model_grads([self.model])  # DP sync + TP sums (QK-norm grads)
             _, grad_norm, _ = self.optimizer.step()
         else:
-            allreduce_qk_norm_grads(self.model)
+            allreduce_partial_grads(self.model)
             params = list(self.model.parameters())
             grad_norm = tp_clip_grad_norm(params, self.cfg.grad_clip)
             self.optimizer.step()

@@ -17,6 +17,13 @@ class MegatronSettings(Section):
         1, ge=1, description="TP ranks (one Ray actor and, on GPUs, one GPU each); must divide "
         "the model's attention heads and its KV heads (or be a multiple of them).",
     )  # fmt: skip
+    sequence_parallel: bool = Field(
+        True,
+        description="At TP > 1, split each sequence over the TP ranks outside the "
+        "tensor-parallel layers (megatron-core's sequence parallelism: norms, residuals and "
+        "the MoE router see 1/TP of the tokens; less activation memory). A mixture-of-experts "
+        "model needs it at TP > 1. No effect at TP = 1.",
+    )
     trainer_gpus: int | None = Field(
         None,
         ge=1,
