@@ -96,6 +96,13 @@ def main() -> None:
     parser.add_argument(
         "--tenant-batch", type=int, default=8, help="samples per step of a tenant's adapter"
     )
+    parser.add_argument(
+        "--held-out-every",
+        type=int,
+        default=3,
+        help="versions between held-out scores during the run (4 evaluations of 32 questions "
+        "each take the engine from the live sessions)",
+    )
     parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
     parser.add_argument("--docs", action="store_true", help="copy the CSVs and PNG to docs/")
     args = parser.parse_args()
@@ -116,6 +123,7 @@ def main() -> None:
             ["--tenants", "2", "--tenant-keys", ",".join(KEYS),
              "--tenant-scenarios", ",".join(SCENARIOS), "--engine-url", engine,
              "--seed", str(args.seed), "--concurrency", str(args.concurrency),
+             "--held-out-every", str(args.held_out_every),
              "--out-dir", str(out)],
         )  # fmt: skip
         csvs = [next(out.glob(f"simulate-*-{name}.csv")) for name in ("a", "b")]

@@ -10,10 +10,11 @@ import pytest
 from clawrl.common.tenants import key_tenant
 from clawrl.judge.reward_examples import stated_preference
 from clawrl.simulate.evaluation import HeldOutScore, adapter_version, scores
-from clawrl.simulate.main import make_users, parse_args
+from clawrl.simulate.main import Evaluator, make_users, parse_args
 from clawrl.simulate.preference import LINES, LINES_REMARKS, PARAGRAPH, Verdict, lines_verdict
 from clawrl.simulate.report import per_version, table, write_csv
 from clawrl.simulate.scenarios import SCENARIOS
+from clawrl.simulate.simulation import Progress
 from tests.unit.simulate.test_simulate_preference import LISTED, turn_with
 from tests.unit.simulate.test_simulate_preference import PARAGRAPH as ONE_PARAGRAPH
 
@@ -130,3 +131,16 @@ def test_tenant_arguments_default_to_two_opposite_users() -> None:
     args = parse_args(["simulate", "--tenants", "2"])
     assert args.tenant_keys == ["tenant-a", "tenant-b"]
     assert args.tenant_scenarios == ["preference", "lines"]
+
+
+def test_held_out_every_k_versions_and_the_final_one() -> None:
+    evaluator = Evaluator(None, "m", parse_args(["simulate", "--held-out-every", "3"]))
+    progress = Progress()
+    assert evaluator.behind(progress, 3)  # v0 first
+    evaluator.found[0] = HeldOutScore(0, 32, 0.5)
+    progress.newest_version = 2
+    assert not evaluator.behind(progress, 3) and evaluator.behind(progress)  # the final one
+    progress.newest_version = 3
+    assert evaluator.behind(progress, 3)
+    with pytest.raises(SystemExit):
+        parse_args(["simulate", "--held-out-every", "0"])

@@ -133,6 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "preference scenario)",
     )
     sim.add_argument(
+        "--held-out-every",
+        type=int,
+        default=1,
+        help="score a version only once it is this many versions past the last one scored "
+        "(the final version is always scored): each score asks 32 questions of the engine",
+    )
+    sim.add_argument(
         "--redis-url",
         default="redis://localhost:6390/0",
         help="Redis of the stack, to read the judge's rewards ('' to skip)",
@@ -173,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.command == "simulate":
+        if args.held_out_every < 1:
+            parser.error("--held-out-every must be at least 1")
         check_tenants(parser, args)
     return args
 
@@ -277,14 +286,15 @@ class Evaluator:
                   f"({score.summary()})", flush=True)  # fmt: skip
         return True
 
-    def behind(self, progress: Progress) -> bool:
-        """The simulation has seen a version newer than every one scored."""
-        return progress.newest_version > max(self.found, default=-1)
+    def behind(self, progress: Progress, every: int = 1) -> bool:
+        """The simulation has seen a version `every` or more newer than every one scored."""
+        return progress.newest_version >= max(self.found, default=-every) + every
 
     async def follow(self, progress: Progress, done: asyncio.Event) -> None:
         while not done.is_set():
             # After a failure, a pause: the gateway may be down or restarting.
-            ok = not self.behind(progress) or await self.once(progress.newest_version)
+            every = getattr(self.args, "held_out_every", 1)
+            ok = not self.behind(progress, every) or await self.once(progress.newest_version)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), timeout=1.0 if ok else 5.0)
         if self.behind(progress):
