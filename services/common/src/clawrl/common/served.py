@@ -4,15 +4,19 @@ restarted engines, learn it without asking anyone.
 
 The weight-sync job writes it once every engine has loaded the adapter and before it switches
 the gateways; the hash is `{version, adapter, path, updated_at}`. Full-weight syncs clear the
-adapter (the engines' own weight_version says what they serve).
+adapter (the engines' own weight_version says what they serve). Tenants' adapters (per-tenant
+mode) are recorded beside it, one field per tenant (`tenants_key`), by the tenant's syncs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,32 @@ async def write_served(redis: Redis, key: str, version: int, adapter: str, path:
             "updated_at": repr(time.time()),
         },
     )
+
+
+# --- per-tenant adapters ([tenants] mode = "per_tenant") ---------------------------------------
+
+
+def tenants_key(served_key: str) -> str:
+    """The hash beside `served_key` that records each tenant's served adapter (field: tenant,
+    value: `version`, tab, `adapter`, tab, `path`); the shared record stays as it was."""
+    return f"{served_key}:tenants"
+
+
+async def read_served_tenants(redis: Redis, served_key: str) -> dict[str, Served]:
+    """Each tenant's served adapter; a malformed field is logged and left out (one bad entry
+    must not keep every other tenant from its adapter)."""
+    served = {}
+    for tenant, value in (await redis.hgetall(tenants_key(served_key))).items():
+        parts = value.decode().split("\t")
+        try:
+            served[tenant.decode()] = Served(int(parts[0]), parts[1], parts[2])
+        except (IndexError, ValueError):
+            log.error("malformed served adapter of tenant %s at %s: %r",
+                      tenant.decode(), tenants_key(served_key), value)  # fmt: skip
+    return served
+
+
+async def write_served_tenant(
+    redis: Redis, served_key: str, tenant: str, version: int, adapter: str, path: str
+) -> None:
+    await redis.hset(tenants_key(served_key), tenant, f"{version}\t{adapter}\t{path}")

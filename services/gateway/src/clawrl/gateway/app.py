@@ -28,7 +28,7 @@ from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.metrics import GarbageCollection, exposition
 from clawrl.common.models import context_length, resolve_model_dir, served_model_name
-from clawrl.common.served import read_served
+from clawrl.common.served import read_served, read_served_tenants
 from clawrl.common.sglang_client import EngineError, SGLangClient
 from clawrl.gateway.anthropic_messages import MessageEvents, message_object, parse_messages_request
 from clawrl.gateway.control import Admission, PauseGate, start_control_server
@@ -290,6 +290,21 @@ async def initial_admission(
     return Admission(await initial_policy_version(settings, engine))
 
 
+async def restore_tenant_adapters(settings: GatewaySettings, redis: Redis, gate: PauseGate) -> None:
+    """Per-tenant mode: route each tenant to the adapter its last sync recorded, so a replica
+    that (re)starts does not serve tenants the shared policy's."""
+    if not settings.tenants.per_tenant or settings.control.initial_policy_version is not None:
+        return
+    key = settings.control.served_key
+    try:
+        served = await asyncio.wait_for(read_served_tenants(redis, key), 5)
+    except (RedisError, TimeoutError) as exc:
+        log.warning("cannot read the tenants' served adapters beside %s: %s", key, exc)
+        return
+    for tenant, mine in served.items():
+        gate.tenant_adapters[tenant] = (mine.version, mine.adapter)
+
+
 async def initial_policy_version(settings: GatewaySettings, engine: SGLangClient) -> int:
     """The configured initial version, else the engine's weight_version when it is a number
     (a replica restarted after a weight sync then starts at the right version), else 0."""
@@ -355,6 +370,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             base_version=settings.control.initial_policy_version or 0,
             engine_version=lambda: engine_policy_version(engine),
         )
+        await restore_tenant_adapters(settings, redis, gate)
         store = SessionStore(
             redis,
             prefix=settings.sessions.key_prefix,

@@ -32,6 +32,13 @@ recorded in Redis (`sync.served_key`, for gateways and engines that restart), ev
 switches to it (SwitchAdapter: requests admitted from then on use it), and old policy adapters
 are unloaded once no gateway has a request running on them (bounded by `sync.unload_wait_s`;
 SGLang's unload itself waits for the engine's own requests).
+
+A tenant's LoRA version (per-tenant mode: adapter `tenant-T-vN`, announced with `tenant` T) is
+the same, for that tenant alone: every engine loads it, its served adapter is recorded beside
+the shared one (`served.tenants_key`), every gateway switches only T's new requests to it
+(SwitchAdapter with `tenant`), and only T's older `tenant-T-v*` adapters are unloaded once no
+request uses them. The shared policy and every other tenant keep their adapters; a failed load
+is undone on the engines that loaded it, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError, RedisError
 
 from clawrl.common.logs import log_context
-from clawrl.common.served import write_served
+from clawrl.common.served import write_served, write_served_tenant
+from clawrl.common.tenants import parse_tenant_adapter
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.replicas import (
     Engine,
@@ -98,6 +106,7 @@ class SyncResult:
     switch_s: float = 0.0  # LoRA syncs: first SwitchAdapter sent -> last answered
     unloaded: int = 0  # LoRA syncs: old adapters unloaded (engine x adapter)
     kept: int = 0  # LoRA syncs: old adapters left loaded (still in use, or unload failed)
+    tenant: str = ""  # a tenant's adapter sync (per-tenant mode): whose; "" for the shared policy
 
     @property
     def exit_code(self) -> int:
@@ -123,7 +132,9 @@ class SyncResult:
     def summary(self) -> str:
         if self.adapter:
             return (
-                f"weight sync to v{self.version} (adapter {self.adapter}): {self.outcome}"
+                f"weight sync to v{self.version} (adapter {self.adapter}"
+                + (f" of tenant {self.tenant}" if self.tenant else "")
+                + f"): {self.outcome}"
                 + (f" ({self.reason})" if self.reason else "")
                 + f"; no pause; load {self.load_s:.3f}s, switch {self.switch_s:.4f}s"
                 + f", {self.unloaded} old adapter(s) unloaded"
@@ -138,6 +149,20 @@ class SyncResult:
             + f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
             + (" by broadcast" if self.transport == "nccl" else "")
         )
+
+
+def adapter_tenant(ready: VersionReady) -> str:
+    """Whose adapter `ready` is: its `tenant`, else the tenant its name `tenant-T-vN` names, else
+    "" (the shared policy's). ValueError when the two disagree, or a tenant's adapter is not
+    named `tenant-T-vN` of its version: the name is what the gateways route by."""
+    parsed = parse_tenant_adapter(ready.adapter)
+    tenant = ready.tenant or (parsed[0] if parsed else "")
+    if tenant and parsed != (tenant, ready.version):
+        raise ValueError(
+            f"tenant {tenant}'s version {ready.version} must be the adapter "
+            f"tenant-{tenant}-v{ready.version}, not {ready.adapter!r}"
+        )
+    return tenant
 
 
 async def rollback_path(redis: Redis, stream: str, served: EngineWeights) -> str:
@@ -194,7 +219,7 @@ class WeightSync:
         """Fills `result` (outcome, reason, durations) as it goes."""
         if ready.is_adapter:
             result.adapter = ready.adapter
-            await self._run_adapter(ready, result)
+            await self._run_adapter(ready, result, result.tenant)
             return
         served = await asyncio.gather(*(engine.weights() for engine in self.engines))
         if all(weights.version == str(ready.version) for weights in served):
@@ -256,8 +281,9 @@ class WeightSync:
                 # Full weights now: a gateway that starts must not route to an old adapter.
                 await self._record_served(ready.version, "", ready.path)
 
-    async def _run_adapter(self, ready: VersionReady, result: SyncResult) -> None:
-        """Load the adapter everywhere, switch every gateway, unload the old adapters."""
+    async def _run_adapter(self, ready: VersionReady, result: SyncResult, tenant: str) -> None:
+        """Load the adapter everywhere, switch every gateway, unload the old adapters (with
+        `tenant`: for that tenant alone)."""
         held, errors = await gather_answers([engine.adapters() for engine in self.engines])
         if errors:
             result.outcome, result.reason = "failed", "; ".join(errors)
@@ -267,7 +293,7 @@ class WeightSync:
         missing = [
             e for e, names in zip(self.engines, held, strict=True) if ready.adapter not in names
         ]
-        if not missing and await self._all_switched(ready):
+        if not missing and await self._all_switched(ready, tenant):
             result.outcome = "skipped"
             result.reason = f"every engine holds {ready.adapter} and every gateway serves it"
             return
@@ -294,10 +320,10 @@ class WeightSync:
                 else ""
             )
             return
-        await self._record_served(ready.version, ready.adapter, ready.path)
+        await self._record_served(ready.version, ready.adapter, ready.path, tenant)
         started = time.monotonic()
         _, errors = await gather_answers(
-            [g.switch_adapter(ready.version, ready.adapter) for g in self.gateways]
+            [g.switch_adapter(ready.version, ready.adapter, tenant) for g in self.gateways]
         )
         result.switch_s = time.monotonic() - started
         if errors:
@@ -306,7 +332,7 @@ class WeightSync:
             result.outcome, result.reason = "failed", "; ".join(errors)
             return
         result.outcome = "ok"
-        await self._unload_old(ready.adapter, result)
+        await self._unload_old(ready.adapter, result, tenant)
 
     async def _converge_gateways(self, ready: VersionReady, result: SyncResult) -> None:
         """Every engine serves `ready` already: resume each gateway that does not admit it
@@ -337,17 +363,22 @@ class WeightSync:
             )
         await self._record_served(ready.version, "", ready.path)
 
-    async def _all_switched(self, ready: VersionReady) -> bool:
-        """Whether every gateway already routes to `ready`'s adapter (False when one does not
-        answer: the switch then tells)."""
+    async def _all_switched(self, ready: VersionReady, tenant: str) -> bool:
+        """Whether every gateway already routes to `ready`'s adapter (`tenant`'s requests, with
+        a tenant); False when one does not answer: the switch then tells."""
         statuses, errors = await gather_answers([g.status() for g in self.gateways])
+        if tenant:
+            return not errors and all(
+                s.tenant_adapters.get(tenant) == ready.adapter for s in statuses
+            )
         return not errors and all(
             (s.policy_version, s.adapter) == (ready.version, ready.adapter) for s in statuses
         )
 
-    async def _unload_old(self, keep: str, result: SyncResult) -> None:
-        """Unload every policy adapter but `keep` from every engine once no gateway has a
-        request running on it (or routes to it); ones still busy after the wait stay."""
+    async def _unload_old(self, keep: str, result: SyncResult, tenant: str) -> None:
+        """Unload every policy adapter (with `tenant`: every adapter of that tenant) but `keep`
+        from every engine once no gateway has a request running on it (or routes to it); ones
+        still busy after the wait stay."""
         held, errors = await gather_answers([engine.adapters() for engine in self.engines])
         if errors:
             log.warning("old adapters not unloaded: %s", "; ".join(errors))
@@ -356,7 +387,7 @@ class WeightSync:
             (engine, name)
             for engine, names in zip(self.engines, held, strict=True)
             for name in names
-            if name != keep and POLICY_ADAPTER.fullmatch(name)
+            if name != keep and ours(name, tenant)
         }
         deadline = time.monotonic() + self.settings.sync.unload_wait_s
         while old:
@@ -367,6 +398,7 @@ class WeightSync:
             busy = {s.adapter for s in statuses} | {
                 name for s in statuses for name, count in s.in_flight_by_adapter.items() if count
             }
+            busy |= {name for s in statuses for name in s.tenant_adapters.values()}
             idle = {(engine, name) for engine, name in old if name not in busy}
             errors = await gather_errors([engine.unload_adapter(name) for engine, name in idle])
             for error in errors:
@@ -385,10 +417,15 @@ class WeightSync:
                 ", ".join(sorted(f"{name} on {engine.url}" for engine, name in old)),
             )
 
-    async def _record_served(self, version: int, adapter: str, path: str) -> None:
-        """What the gateways route to from now on, for gateways and engines that (re)start."""
+    async def _record_served(self, version: int, adapter: str, path: str, tenant: str = "") -> None:
+        """What the gateways route to from now on (`tenant`'s requests, with a tenant), for
+        gateways and engines that (re)start."""
+        key = self.settings.sync.served_key
         try:
-            await write_served(self.redis, self.settings.sync.served_key, version, adapter, path)
+            if tenant:
+                await write_served_tenant(self.redis, key, tenant, version, adapter, path)
+            else:
+                await write_served(self.redis, key, version, adapter, path)
         except RedisError as exc:  # serving goes on; only a restart would miss it
             log.error("cannot record the served version at %s: %s",
                       self.settings.sync.served_key, exc)  # fmt: skip
@@ -478,6 +515,16 @@ class WeightSync:
                 log.warning("lease renewal failed: %s", error)
 
 
+def ours(name: str, tenant: str) -> bool:
+    """Whether a sync of `tenant` ("" = the shared policy) unloads the adapter `name` once it is
+    old: the shared policy's `policy-vN`, or that tenant's `tenant-T-vN`; never another
+    tenant's, nor one the engine was started with."""
+    if tenant:
+        parsed = parse_tenant_adapter(name)
+        return parsed is not None and parsed[0] == tenant
+    return POLICY_ADAPTER.fullmatch(name) is not None
+
+
 class LockLost(Exception):
     """The sync lock expired or passed to another job while this sync held it."""
 
@@ -524,6 +571,11 @@ async def sync_version(
     )
     with log_context(policy_version=ready.version):
         try:
+            try:
+                result.tenant = adapter_tenant(ready)
+            except ValueError as exc:  # published and logged below, as every outcome
+                result.outcome, result.reason = "failed", str(exc)
+                return result
             if not await lock.acquire(token=job_id):
                 holder = await redis.get(settings.sync.lock_key)
                 result.outcome = "busy"

@@ -11,6 +11,11 @@ launcher compares what the engines serve and what the gateways admit with the se
 (Redis) and syncs that version again when one left it (an engine restarted on its base model, a
 gateway that a dead sync left behind or that joined since).
 
+Per-tenant mode: the tenants' versions (`{versions_stream}:tenants`, adapters `tenant-T-vN`)
+are followed the same way, one newest-wins sequence per tenant; syncs still run one at a time,
+the announcement that waited longest first, so tenants take turns with each other and with the
+shared policy. A tenant whose served adapter a gateway does not route to is synced again.
+
 Each sync is a child process locally (`make run`) or a Kubernetes Job on a cluster
 (kube.py); both run `clawrl-weight-sync run`, which publishes its result on the results stream,
 from which this launcher keeps its metrics.
@@ -27,16 +32,18 @@ import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from clawrl.common.served import read_served
+from clawrl.common.served import read_served, read_served_tenants
+from clawrl.common.tenants import tenant_versions_stream
 from clawrl.common.versions import VersionReady
-from clawrl.trainer.weight_sync.job import SyncResult
+from clawrl.trainer.weight_sync.job import SyncResult, adapter_tenant
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
-from clawrl.trainer.weight_sync.reconcile import divergence, reconcile_forever
+from clawrl.trainer.weight_sync.reconcile import divergence, reconcile_forever, tenant_divergence
 from clawrl.trainer.weight_sync.replicas import continue_every_engine
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
@@ -63,7 +70,9 @@ def settings_env(settings: WeightSyncSettings) -> dict[str, str]:
 def run_args(ready: VersionReady, job_id: str) -> list[str]:
     """The arguments of `clawrl-weight-sync` that sync `ready` (process and Job alike)."""
     args = ["run", "--version", str(ready.version), "--path", ready.path, "--job-id", job_id]
-    return [*args, "--adapter", ready.adapter] if ready.adapter else args
+    if ready.adapter:
+        args += ["--adapter", ready.adapter]
+    return [*args, "--tenant", ready.tenant] if ready.tenant else args
 
 
 class LocalLauncher:
@@ -74,7 +83,8 @@ class LocalLauncher:
         self.env = settings_env(settings)
 
     async def __call__(self, ready: VersionReady) -> int:
-        job_id = f"sync-v{ready.version}-{secrets.token_hex(3)}"
+        whose = f"{ready.tenant}-" if ready.tenant else ""
+        job_id = f"sync-{whose}v{ready.version}-{secrets.token_hex(3)}"
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -100,7 +110,8 @@ class LocalLauncher:
 
 
 class SyncWatcher:
-    """Follows the versions stream and runs one sync per new version (newest wins)."""
+    """Follows the versions streams (the shared policy's, and the tenants' beside it) and runs
+    one sync per new version (newest wins, per tenant)."""
 
     def __init__(
         self,
@@ -116,9 +127,16 @@ class SyncWatcher:
         self.launch = launch
         self.metrics = metrics
         self.block_ms = block_ms
-        self.served = 0  # newest version a sync put into service
-        self.given_up = 0  # newest version abandoned after max_attempts
-        self._versions_id = "0-0"
+        self.served = 0  # newest shared version a sync put into service
+        self.given_up = 0  # newest shared version abandoned after max_attempts
+        # The same per tenant (per-tenant mode); "" is never a key here.
+        self.tenant_served: dict[str, int] = {}
+        self.tenant_given_up: dict[str, int] = {}
+        # Newest announcement not synced yet, per tenant ("": the shared policy), in the order
+        # they started waiting: tenants take turns, and a busy one cannot starve the others.
+        self.pending: dict[str, VersionReady] = {}
+        self._tenants_stream = tenant_versions_stream(settings.redis.versions_stream)
+        self._read_ids = {settings.redis.versions_stream: "0-0", self._tenants_stream: "0-0"}
         self._results_id = "0-0"
         self._checked_at = 0.0  # last comparison of the replicas with the served version
 
@@ -141,93 +159,135 @@ class SyncWatcher:
 
     async def run_forever(self) -> None:
         await self.start()
-        # Beside the syncs: engines that restarted get the served LoRA adapter back.
+        # Beside the syncs: engines that restarted get the served LoRA adapters back.
         reconciler = asyncio.create_task(
             reconcile_forever(self.settings, self.redis, self.metrics), name="reconcile"
         )
         try:
-            pending: VersionReady | None = None
             while True:
-                newest = await self._next_announcement(block=pending is None)
-                if newest is not None and (pending is None or newest.version > pending.version):
-                    pending = newest
-                if pending is None or pending.version <= max(self.served, self.given_up):
-                    pending = await self._converge()
-                    if pending is None:
-                        continue
-                pending = await self._sync(pending)
+                await self._read_announcements(block=not self.pending)
+                ready = self._next_pending()
+                if ready is not None:
+                    await self._sync(ready)
+                    continue
+                for ready in await self._converge():
+                    await self._sync(ready)
         finally:
             reconciler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reconciler
 
-    async def _converge(self) -> VersionReady | None:
-        """The served version, to sync again, when a replica left it (at most every
-        reconcile_interval_s, never while a sync holds the lock)."""
+    def _done(self, tenant: str) -> int:
+        """The newest version of `tenant` ("": shared) served or given up: older ones are
+        never synced from an announcement."""
+        if not tenant:
+            return max(self.served, self.given_up)
+        return max(self.tenant_served.get(tenant, 0), self.tenant_given_up.get(tenant, 0))
+
+    def _next_pending(self) -> VersionReady | None:
+        """The announcement that waited longest among those newer than what is served (the
+        others are dropped)."""
+        for tenant in list(self.pending):
+            ready = self.pending.pop(tenant)
+            if ready.version > self._done(tenant):
+                return ready
+        return None
+
+    async def _converge(self) -> list[VersionReady]:
+        """The served versions (shared, tenants'), to sync again, that a replica left (at most
+        every reconcile_interval_s, never while a sync holds the lock)."""
         now = asyncio.get_running_loop().time()
         if now - self._checked_at < self.settings.launcher.reconcile_interval_s:
-            return None
+            return []
         self._checked_at = now
         if await self.redis.exists(self.settings.sync.lock_key):
-            return None
+            return []
+        again = []
         try:
             served = await read_served(self.redis, self.settings.sync.served_key)
         except ValueError as exc:
             log.error("cannot compare the replicas with the served version: %s", exc)
-            return None
-        if served is None:
-            return None  # nothing synced yet: the engines serve their initial weights
-        cause = await divergence(self.settings, served)
-        if cause is None:
-            return None
-        self.metrics.convergence_syncs.labels(cause=cause).inc()
-        log.warning(
-            "%s left the served version v%d%s: syncing it again",
-            "an engine" if cause == "engines" else "a gateway",
-            served.version,
-            f" ({served.adapter})" if served.adapter else "",
-        )
-        return VersionReady(served.version, served.path, 0, served.updated_at, served.adapter)
+            served = None
+        cause = None if served is None else await divergence(self.settings, served)
+        if served is not None and cause is not None:
+            self.metrics.convergence_syncs.labels(cause=cause).inc()
+            log.warning(
+                "%s left the served version v%d%s: syncing it again",
+                "an engine" if cause == "engines" else "a gateway",
+                served.version,
+                f" ({served.adapter})" if served.adapter else "",
+            )
+            again.append(
+                VersionReady(served.version, served.path, 0, served.updated_at, served.adapter)
+            )
+        tenants = await read_served_tenants(self.redis, self.settings.sync.served_key)
+        for tenant in await tenant_divergence(self.settings, tenants):
+            mine = tenants[tenant]
+            self.metrics.convergence_syncs.labels(cause="gateways").inc()
+            log.warning("a gateway does not route tenant %s to its served adapter %s: syncing "
+                        "it again", tenant, mine.adapter)  # fmt: skip
+            again.append(
+                VersionReady(mine.version, mine.path, 0, mine.updated_at, mine.adapter, tenant)
+            )
+        return again
 
-    async def _sync(self, ready: VersionReady) -> VersionReady | None:
-        """Sync `ready`, retrying; returns a newer announcement that cut the retries short."""
+    async def _sync(self, ready: VersionReady) -> None:
+        """Sync `ready`, retrying; stops early when a newer version of its tenant arrived (it
+        is pending then)."""
+        tenant = ready.tenant
+        whose = f"tenant {tenant}'s v{ready.version}" if tenant else f"v{ready.version}"
         attempt = 0
         while attempt < self.settings.launcher.max_attempts:
             attempt += 1
-            log.info("syncing v%d (attempt %d) from %s", ready.version, attempt, ready.path)
+            log.info("syncing %s (attempt %d) from %s", whose, attempt, ready.path)
             code = await self.launch(ready)
-            results = await self._collect_results()
+            results = [
+                r
+                for r in await self._collect_results()
+                if (r.version, r.tenant) == (ready.version, tenant)
+            ]
             if code == 0:
-                self.served = max(self.served, ready.version)
-                return None
-            if any(r.version == ready.version and r.outcome == "busy" for r in results):
+                if tenant:
+                    self.tenant_served[tenant] = max(self._done(tenant), ready.version)
+                else:
+                    self.served = max(self.served, ready.version)
+                return
+            if any(r.outcome == "busy" for r in results):
                 # Not a failure: another sync runs, or a dead one's lock has not expired.
                 self.metrics.busy_waits.inc()
                 attempt -= 1
                 await self._wait_for_lock()
-                newer = await self._next_announcement(block=False)
-                if newer is not None and newer.version > ready.version:
-                    return newer
+                await self._read_announcements(block=False)
+                if self._newer_pending(ready):
+                    return
                 continue
-            if not any(r.version == ready.version for r in results):
+            if not results:
                 self.metrics.syncs.labels(outcome="crashed").inc()
+                if tenant:
+                    self.metrics.tenant_syncs.labels(tenant=tenant, outcome="crashed").inc()
                 # A job that died with the engines paused (retract) cannot continue them; the
                 # gateways' leases end their pause by themselves, the engines' is ended here.
                 for error in await continue_every_engine(self.settings.engines):
                     self.metrics.continue_failures.inc()
                     log.error("after a crashed sync: %s", error)
-            log.warning("sync of v%d failed (exit code %d)", ready.version, code)
-            newer = await self._next_announcement(block=False)
-            if newer is not None and newer.version > ready.version:
-                return newer  # newest wins: sync it instead
+            log.warning("sync of %s failed (exit code %d)", whose, code)
+            await self._read_announcements(block=False)
+            if self._newer_pending(ready):
+                return  # newest wins: sync it instead
             await asyncio.sleep(self.settings.launcher.retry_backoff_s)
         log.error(
-            "giving up on v%d after %d attempts; waiting for a newer version",
-            ready.version,
+            "giving up on %s after %d attempts; waiting for a newer version",
+            whose,
             self.settings.launcher.max_attempts,
         )
-        self.given_up = ready.version
-        return None
+        if tenant:
+            self.tenant_given_up[tenant] = ready.version
+        else:
+            self.given_up = ready.version
+
+    def _newer_pending(self, ready: VersionReady) -> bool:
+        waiting = self.pending.get(ready.tenant)
+        return waiting is not None and waiting.version > ready.version
 
     async def _wait_for_lock(self) -> None:
         """Until no sync holds the lock (it expires lock_ttl_s after a dead job's last
@@ -236,26 +296,31 @@ class SyncWatcher:
         while await self.redis.exists(self.settings.sync.lock_key):  # noqa: ASYNC110 (Redis)
             await asyncio.sleep(min(1.0, self.settings.sync.lock_ttl_s / 10))
 
-    async def _next_announcement(self, *, block: bool) -> VersionReady | None:
-        """The newest announcement after the last one read (waiting for one when `block`)."""
-        stream = self.settings.redis.versions_stream
+    async def _read_announcements(self, *, block: bool) -> None:
+        """Every announcement after the last one read (waiting for one when `block`) into
+        `pending`, the newest per tenant."""
         reply = await self.redis.xread(
-            {stream: self._versions_id}, count=1000, block=self.block_ms if block else None
+            dict(self._read_ids), count=1000, block=self.block_ms if block else None
         )
-        newest = None
-        for _, entries in reply or ():
+        for stream, entries in reply or ():
+            name = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
-                self._versions_id = entry_id
+                self._read_ids[name] = entry_id
                 try:
                     ready = VersionReady.from_fields(fields)
+                    tenant = adapter_tenant(ready) if name == self._tenants_stream else ""
+                    if name == self._tenants_stream and not tenant:
+                        raise ValueError("an announcement on the tenants' stream names no tenant")
                 except ValueError as exc:
-                    log.error("skipping announcement %s: %s", entry_id, exc)
+                    log.error("skipping announcement %s on %s: %s", entry_id, name, exc)
                     continue
-                if newest is None or ready.version > newest.version:
-                    newest = ready
-        if newest is not None:
-            self.metrics.announced_version.set(max(newest.version, self.served))
-        return newest
+                ready = replace(ready, tenant=tenant)
+                waiting = self.pending.get(tenant)
+                if waiting is None or ready.version > waiting.version:
+                    self.pending[tenant] = ready
+        shared = self.pending.get("")
+        if shared is not None:
+            self.metrics.announced_version.set(max(shared.version, self.served))
 
     async def _collect_results(self) -> list[SyncResult]:
         """New entries of the results stream, counted into the metrics."""

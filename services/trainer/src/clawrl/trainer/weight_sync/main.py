@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --version: the path is this LoRA adapter's directory (policy-vN); the sync "
         "loads it beside the served one and switches the gateways, with no pause",
     )
+    run.add_argument(
+        "--tenant",
+        default="",
+        help="with --adapter: the tenant whose adapter it is (tenant-T-vN; default: the tenant "
+        "the adapter's name gives); only that tenant's requests switch",
+    )
     run.add_argument("--job-id", help="this job's name (lock token and pause holder)")
     watch = commands.add_parser("watch", help="one sync per announced version, newest first")
     watch.add_argument("--mode", choices=["local", "kubernetes"], help="launcher.mode")
@@ -93,6 +99,7 @@ async def run_once(settings: WeightSyncSettings, args: argparse.Namespace) -> in
             step=0,
             created_at=time.time(),
             adapter=args.adapter,
+            tenant=args.tenant,
         )
     job_id = args.job_id or f"sync-v{ready.version}-{secrets.token_hex(3)}"
     task = asyncio.create_task(sync_version(settings, redis, ready, job_id))
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("clawrl-weight-sync run: give --version and --path together, or neither")
     if args.command == "run" and args.adapter and args.version is None:
         sys.exit("clawrl-weight-sync run: --adapter goes with --version and --path")
+    if args.command == "run" and args.tenant and not args.adapter:
+        sys.exit("clawrl-weight-sync run: --tenant goes with --adapter tenant-T-vN")
     settings = settings_from(args)
     configure_logging(settings.logging, "weight-sync")
     if args.command == "run":

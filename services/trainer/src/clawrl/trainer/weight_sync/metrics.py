@@ -112,9 +112,26 @@ class WeightSyncMetrics:
             registry=r,
         )
 
+        self.tenant_syncs = Counter(
+            "clawrl_weight_sync_tenant_syncs_total",
+            "Per-tenant mode: finished syncs of one tenant's adapter, by tenant and outcome (ok, "
+            "skipped, failed, busy, crashed); also counted in clawrl_weight_sync_syncs_total.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_version = Gauge(
+            "clawrl_weight_sync_tenant_version",
+            "Per-tenant mode: the adapter version the last successful sync of a tenant put into "
+            "service.",
+            ["tenant"],
+            registry=r,
+        )
+
     def observe(self, result: SyncResult) -> None:
         """Count one finished sync."""
         self.syncs.labels(outcome=result.outcome).inc()
+        if result.tenant:
+            self.tenant_syncs.labels(tenant=result.tenant, outcome=result.outcome).inc()
         self.lease_renewal_failures.inc(result.renewal_failures)
         if result.broadcast_error:
             self.broadcast_fallbacks.inc()
@@ -123,7 +140,10 @@ class WeightSyncMetrics:
         if result.outcome == "ok":
             self.pause.observe(result.pause_s)
             self.load.observe(result.load_s)
-            self.policy_version.set(result.version)
+            if result.tenant:
+                self.tenant_version.labels(tenant=result.tenant).set(result.version)
+            else:
+                self.policy_version.set(result.version)
             if result.adapter:
                 self.switch.observe(result.switch_s)
                 self.adapter_load.observe(result.load_s)

@@ -1,7 +1,7 @@
 """Engines that restarted lose their LoRA adapters: the launcher checks every few seconds that
-each policy engine holds the adapter the gateways route to (the served version in Redis) and
-loads it into one that lacks it. Until then the gateways answer that engine's requests with 503
-and Retry-After (never from the base model).
+each policy engine holds the adapter the gateways route to (the served version in Redis), and
+every tenant's served adapter (per-tenant mode), and loads those it lacks. Until then the
+gateways answer that engine's requests with 503 and Retry-After (never from the base model).
 
 Full weights (and gateways under either): `divergence` says whether an engine serves other
 weights than the served version (restarted on its base model, or left by a dead sync) or a
@@ -16,7 +16,7 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from clawrl.common.served import Served, read_served
+from clawrl.common.served import Served, read_served, read_served_tenants
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from clawrl.trainer.weight_sync.replicas import (
     Engine,
@@ -42,7 +42,13 @@ async def reconcile_adapters(
         metrics.adapter_reloads.labels(outcome="failed").inc()
         log.error("cannot reconcile adapters: %s", exc)
         return 0
-    if served is None or not served.adapter:
+    wanted = [
+        (t.adapter, t.path)
+        for t in (await read_served_tenants(redis, settings.sync.served_key)).values()
+    ]
+    if served is not None and served.adapter:
+        wanted.insert(0, (served.adapter, served.path))
+    if not wanted:
         return 0
     try:
         urls = await engine_urls(settings.engines)
@@ -53,33 +59,39 @@ async def reconcile_adapters(
     engines = [Engine(url, settings.engines) for url in urls]
     try:
         loaded = await asyncio.gather(
-            *(ensure_adapter(engine, served.adapter, served.path, metrics) for engine in engines)
+            *(ensure_adapters(engine, wanted, metrics) for engine in engines)
         )
     finally:
         await asyncio.gather(*(engine.close() for engine in engines), return_exceptions=True)
     return sum(loaded)
 
 
-async def ensure_adapter(engine: Engine, name: str, path: str, metrics: WeightSyncMetrics) -> bool:
-    """Load `name` into `engine` unless it holds it; True when it was loaded now."""
+async def ensure_adapters(
+    engine: Engine, wanted: list[tuple[str, str]], metrics: WeightSyncMetrics
+) -> int:
+    """Load each (name, path) into `engine` unless it holds it; how many were loaded now."""
     try:
         held = await engine.adapters()
     except ReplicaError as exc:  # down or restarting: the next pass tries again
         metrics.adapter_reloads.labels(outcome="unreachable").inc()
         log.warning("%s", exc)
-        return False
-    if name in held:
-        return False
-    try:
-        await engine.load_adapter(name, path)
-    except ReplicaError as exc:
-        metrics.adapter_reloads.labels(outcome="failed").inc()
-        log.error("engine %s lacks the served adapter and did not load it: %s", engine.url, exc)
-        return False
-    metrics.adapter_reloads.labels(outcome="loaded").inc()
-    log.warning("engine %s lacked the served adapter %s (restarted?): loaded it from %s",
-                engine.url, name, path)  # fmt: skip
-    return True
+        return 0
+    loaded = 0
+    for name, path in wanted:
+        if name in held:
+            continue
+        try:
+            await engine.load_adapter(name, path)
+        except ReplicaError as exc:
+            metrics.adapter_reloads.labels(outcome="failed").inc()
+            log.error("engine %s lacks the served adapter %s and did not load it: %s",
+                      engine.url, name, exc)  # fmt: skip
+            continue
+        metrics.adapter_reloads.labels(outcome="loaded").inc()
+        log.warning("engine %s lacked the served adapter %s (restarted?): loaded it from %s",
+                    engine.url, name, path)  # fmt: skip
+        loaded += 1
+    return loaded
 
 
 async def reconcile_forever(
@@ -129,3 +141,27 @@ async def divergence(settings: WeightSyncSettings, served: Served) -> str | None
         return None
     finally:
         await asyncio.gather(*(r.close() for r in [*engines, *gateways]), return_exceptions=True)
+
+
+async def tenant_divergence(settings: WeightSyncSettings, served: dict[str, Served]) -> list[str]:
+    """The tenants (of `served`, their served adapters) that some gateway does not route to
+    their served adapter: one that a dead sync left behind. A gateway that cannot be asked is
+    left to the next pass."""
+    if not served:
+        return []
+    try:
+        addresses = await gateway_addresses(settings.gateways)
+    except (OSError, LookupError) as exc:
+        log.warning("cannot find the gateways to compare tenants' adapters: %s", exc)
+        return []
+    gateways = [Gateway(address, settings.gateways, holder="") for address in addresses]
+    try:
+        statuses = await asyncio.gather(*(g.status() for g in gateways), return_exceptions=True)
+    finally:
+        await asyncio.gather(*(g.close() for g in gateways), return_exceptions=True)
+    routed = [s.tenant_adapters for s in statuses if not isinstance(s, BaseException)]
+    return sorted(
+        tenant
+        for tenant, mine in served.items()
+        if any(adapters.get(tenant) != mine.adapter for adapters in routed)
+    )

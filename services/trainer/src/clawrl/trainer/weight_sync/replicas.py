@@ -92,9 +92,14 @@ class Gateway:
         request = control_pb2.ResumeRequest(policy_version=policy_version or 0, holder=self.holder)
         return await self._call("Resume", request)
 
-    async def switch_adapter(self, policy_version: int, adapter: str) -> control_pb2.GatewayStatus:
-        """Route new requests to `adapter` (no pause); the gateway's status after it."""
-        request = control_pb2.SwitchAdapterRequest(policy_version=policy_version, adapter=adapter)
+    async def switch_adapter(
+        self, policy_version: int, adapter: str, tenant: str = ""
+    ) -> control_pb2.GatewayStatus:
+        """Route new requests to `adapter` (no pause): `tenant`'s alone when set, else every
+        request without a tenant adapter of its own; the gateway's status after it."""
+        request = control_pb2.SwitchAdapterRequest(
+            policy_version=policy_version, adapter=adapter, tenant=tenant
+        )
         return (await self._call("SwitchAdapter", request)).status
 
     async def status(self) -> control_pb2.GatewayStatus:
