@@ -51,6 +51,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 
 {{/* The Redis URL every service uses: the in-chart StatefulSet, or redis.externalUrl. */}}
 {{- define "clawrl.redisUrl" -}}
+{{- if and .Values.redis.cluster (eq .Values.redis.mode "internal") }}
+{{- fail "redis.cluster: the internal Redis is a single node; set redis.mode external and redis.externalUrl to any node of your Redis Cluster (redis.streamShards alone shards the streams on the internal Redis)" }}
+{{- end }}
 {{- if eq .Values.redis.mode "internal" }}
 {{- /* With auth, Kubernetes puts the password in from REDIS_PASSWORD (clawrl.redisPasswordEnv, listed before it). */}}
 {{- $auth := ternary ":$(REDIS_PASSWORD)@" "" (not (empty .Values.redis.auth.existingSecret)) }}
@@ -75,7 +78,13 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- define "clawrl.env" -}}
 {{- $shared := dict "logging" (dict "level" .root.Values.logLevel "format" "json") }}
 {{- if .redis }}
-{{- $_ := set $shared "redis" (dict "url" (include "clawrl.redisUrl" .root)) }}
+{{- $redis := dict "url" (include "clawrl.redisUrl" .root) }}
+{{- /* Sharding changes every stream and state key's name: all services get the same two settings (the defaults, one Redis and one shard, are left to the services). */}}
+{{- if or .root.Values.redis.cluster (gt (int .root.Values.redis.streamShards) 1) }}
+{{- $_ := set $redis "cluster" .root.Values.redis.cluster }}
+{{- $_ := set $redis "stream_shards" (int .root.Values.redis.streamShards) }}
+{{- end }}
+{{- $_ := set $shared "redis" $redis }}
 {{- end }}
 {{- $all := mustMergeOverwrite $shared (deepCopy (.settings | default dict)) (deepCopy (.values.settings | default dict)) }}
 {{- if .redis }}
@@ -92,6 +101,23 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- with .values.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/* The clawrl settings section `tenants` (YAML) the gateway and the trainer share, from the tenants values; with mode per_tenant, what it needs is checked first (the trainer would refuse to start, the engine could not serve adapters). Call with the root context. */}}
+{{- define "clawrl.tenantSettings" -}}
+{{- $t := .Values.tenants }}
+{{- if eq $t.mode "per_tenant" }}
+{{- if not .Values.policyEngine.lora.enabled }}
+{{- fail "tenants.mode per_tenant serves each tenant a LoRA adapter: set policyEngine.lora.enabled" }}
+{{- end }}
+{{- if and .Values.trainer.enabled (or (ne .Values.trainer.backend "torch") (not (dig "lora" "enabled" false (.Values.trainer.settings | default dict)))) }}
+{{- fail "tenants.mode per_tenant trains one LoRA adapter per tenant: set trainer.backend torch and trainer.settings.lora.enabled true" }}
+{{- end }}
+{{- end }}
+{{- $tenants := dict "mode" $t.mode "max_adapters" (int $t.maxAdapters) "min_samples_per_step" (int $t.minSamplesPerStep) "allow" $t.allow }}
+{{- with $t.pattern }}{{ $_ := set $tenants "pattern" . }}{{ end }}
+{{- with $t.header }}{{ $_ := set $tenants "header" . }}{{ end }}
+{{- toYaml (dict "tenants" $tenants) }}
 {{- end }}
 
 {{/* Placement of a GPU pod: node selector, tolerations and runtime class its own when set, else the shared gpuNode ones (the nvidia.com/gpu request alone already picks GPU nodes); then its priority class, affinity and topology spread. */}}
@@ -250,6 +276,20 @@ imagePullSecrets:
   "sglang" (dict "tp_size" $v.tensorParallel "enable_metrics" true) }}
 {{- if and $v.lora $v.lora.enabled }}
 {{- $_ := mergeOverwrite (get $settings "engine") (dict "enable_lora" true "max_lora_rank" $v.lora.maxRank "lora_target_modules" $v.lora.targetModules "max_loras_per_batch" $v.lora.maxLorasPerBatch) }}
+{{- /* Per tenant, one adapter per tenant and the shared one, and during a sync the new version of one beside the old. */}}
+{{- $loaded := $v.lora.maxLoadedLoras }}
+{{- $t := $root.Values.tenants }}
+{{- if and (not $loaded) (eq $t.mode "per_tenant") }}
+{{- /* An allow-list alone names every tenant that can own an adapter. */}}
+{{- $owners := ternary (min (len $t.allow) $t.maxAdapters) $t.maxAdapters (and (gt (len $t.allow) 0) (not $t.pattern)) }}
+{{- $loaded = max (mul 2 (add 1 $owners)) $v.lora.maxLorasPerBatch }}
+{{- end }}
+{{- if $loaded }}
+{{- if lt (int $loaded) (int $v.lora.maxLorasPerBatch) }}
+{{- fail (printf "policyEngine.lora.maxLoadedLoras (%d) must be at least maxLorasPerBatch (%d), as SGLang requires" (int $loaded) (int $v.lora.maxLorasPerBatch)) }}
+{{- end }}
+{{- $_ := set (get $settings "engine") "max_loaded_loras" (int $loaded) }}
+{{- end }}
 {{- end }}
 apiVersion: apps/v1
 kind: Deployment

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clawrl.common.shards import Shards
 from tests.helm.conftest import render
 
 pytestmark = pytest.mark.integration
@@ -51,3 +52,17 @@ def test_the_hook_fails_when_the_gateway_refuses_it(hook, secured, tmp_path) -> 
     result = run_hook(hook, secured, keys)
     assert result.returncode != 0
     assert "401" in result.stderr
+
+
+def test_the_hook_finds_the_turn_on_its_sessions_shard(gateways, tmp_path) -> None:
+    """With redis.streamShards the chart gives the hook the shard count the services get, and
+    the hook reads its session's shard of the turns stream (`<stream>:{<tag>}`)."""
+    sharded = gateways.ready(gateways.start("sharded", CLAWRL_REDIS__STREAM_SHARDS="3"))
+    (pod,) = [o for o in render(sets=("redis.streamShards=3",)) if o["kind"] == "Pod"]
+    (container,) = pod["spec"]["containers"]
+    result = run_hook(container, sharded, tmp_path / "no-keys")  # keys off: nothing to read
+    assert result.returncode == 0, result.stdout + result.stderr
+    where, turn = result.stdout.split("turn recorded on ", 1)[1].split(": ", 1)
+    session = turn.strip().split(":")[0]
+    shards = Shards(3)
+    assert where == shards.name(sharded.stream, shards.of(session)) != sharded.stream
