@@ -75,3 +75,17 @@ async def latest(redis: Redis, stream: str) -> VersionReady | None:
     """The newest announcement on the stream, None when there is none."""
     entries = await redis.xrevrange(stream, count=1)
     return VersionReady.from_fields(entries[0][1]) if entries else None
+
+
+async def newest_per_tenant(redis: Redis, stream: str) -> dict[str, int]:
+    """The newest version announced for each tenant on the tenants' versions stream (its
+    length is capped, so it is read whole); malformed entries are skipped."""
+    newest: dict[str, int] = {}
+    for _, entry in await redis.xrange(stream):
+        try:
+            ready = VersionReady.from_fields(entry)
+        except ValueError:
+            continue
+        if ready.tenant:
+            newest[ready.tenant] = max(newest.get(ready.tenant, 0), ready.version)
+    return newest

@@ -39,6 +39,8 @@ class TrainerState:
     # Per-tenant mode: each tenant's steps and last exported adapter version.
     tenant_steps: dict[str, int] = field(default_factory=dict)
     tenant_versions: dict[str, int] = field(default_factory=dict)
+    # The last entry of the tenants' resets stream applied (`clawrl-trainer tenants reset`).
+    resets_applied: str = "0-0"
 
 
 class TrainedIds:

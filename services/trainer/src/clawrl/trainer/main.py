@@ -1,7 +1,9 @@
 """`clawrl-trainer`: read the settings (flags override env and clawrl.toml), configure logging,
 run the trainer until SIGTERM/SIGINT (the step in progress commits first).
 `clawrl-trainer tenants [flags]` lists the tenants of the newest durable state with their steps
-and adapter versions (`[tenants] mode = "per_tenant"`), and exits.
+and adapter versions (`[tenants] mode = "per_tenant"`), and exits; `tenants reset T` asks the
+trainer to reset T's adapter to the shared policy (applied before its next step, or at its next
+start), `tenants export T --out DIR` copies T's newest version to DIR (a PEFT adapter).
 
 Locally it starts its own Ray runtime; as a KubeRay RayJob entrypoint it joins the cluster
 (`--ray-address auto`, or ray.address in the settings).
@@ -14,21 +16,30 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from clawrl.common.logs import configure_logging
 from clawrl.trainer.driver import connect
 from clawrl.trainer.service import BackgroundTask, serve
 from clawrl.trainer.settings import TrainerSettings
-from clawrl.trainer.tenants import print_tenants
+from clawrl.trainer.tenants import TenantCommandError, export_tenant, print_tenants, request_reset
 
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, *, tenants: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="clawrl-trainer",
+        prog="clawrl-trainer tenants" if tenants else "clawrl-trainer",
         description="Consumes scored samples and takes PPO-style steps; exports HF checkpoints.",
     )
+    if tenants:
+        parser.add_argument(
+            "action", nargs="?", default="list", choices=("list", "reset", "export"),
+            help="list the tenants (default); reset one's adapter to the shared policy; export "
+            "one's newest version",
+        )  # fmt: skip
+        parser.add_argument("tenant", nargs="?", help="the tenant id (reset, export)")
+        parser.add_argument("--out", type=Path, help="export: a new directory to write")
     parser.add_argument("--model", help="base model path or prepared name (model.path)")
     parser.add_argument("--redis-url", help="Redis URL (redis.url)")
     parser.add_argument("--checkpoint-dir", help="checkpoint root (checkpoint.dir)")
@@ -53,6 +64,33 @@ def settings_from(args: argparse.Namespace) -> TrainerSettings:
     )
 
 
+def tenants_command(args: argparse.Namespace) -> int:
+    """`clawrl-trainer tenants [list|reset T|export T --out DIR]`; the exit code."""
+    settings = settings_from(args)
+    if args.action == "list":
+        print_tenants(settings)
+        return 0
+    if not args.tenant or (args.action == "export") != (args.out is not None):
+        print(f"clawrl-trainer tenants {args.action}: give the tenant id"
+              + (" and --out DIR" if args.action == "export" else " (and no --out)"),
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        if args.action == "reset":
+            entry = request_reset(settings, args.tenant)
+            print(
+                f"reset of tenant {args.tenant} requested ({entry}); the trainer applies it "
+                "before its next step and announces the reset adapter as a new version"
+            )
+        else:
+            version, source = export_tenant(settings, args.tenant, args.out)
+            print(f"exported tenant {args.tenant}'s version {version} ({source}) to {args.out}")
+    except TenantCommandError as exc:
+        print(f"clawrl-trainer tenants {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def background_tasks(settings: TrainerSettings) -> list[BackgroundTask]:
     """Tasks run next to the training loop; each feature adds its one line here."""
     return []
@@ -71,7 +109,9 @@ async def run(settings: TrainerSettings) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["tenants"]:
-        print_tenants(settings_from(parse_args(argv[1:])))
+        code = tenants_command(parse_args(argv[1:], tenants=True))
+        if code:
+            sys.exit(code)
         return
     settings = settings_from(parse_args(argv))
     configure_logging(settings.logging, "trainer")

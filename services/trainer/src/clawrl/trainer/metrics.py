@@ -104,6 +104,14 @@ class TrainerMetrics:
             "reached): trained into the shared policy instead.",
             registry=r,
         )
+        self.tenant_resets = Counter(
+            "clawrl_trainer_tenant_resets_total",
+            "Requests to reset a tenant's adapter to the shared policy (clawrl-trainer tenants "
+            "reset), by outcome: reset (a new version exported from the shared policy), "
+            "no_adapter (the tenant has none), malformed.",
+            ["outcome"],
+            registry=r,
+        )
         self.tokens = Counter(
             "clawrl_trainer_tokens_total", "Prompt + response tokens trained.", registry=r
         )

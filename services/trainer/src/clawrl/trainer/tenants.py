@@ -7,15 +7,24 @@ Samples wait in one queue per adapter; a tenant's step takes `min_samples_per_st
 samples, the shared policy's takes `train.batch_size`. Among the queues that hold a batch, the
 one whose last step is the oldest goes first (round robin), so a busy tenant whose queue is
 always full cannot starve a quiet one: once the quiet one has a batch, it is next.
+
+Operations (`clawrl-trainer tenants ...`): list the tenants; reset one's adapter to the shared
+policy (a request on the resets stream, `{versions_stream}:tenants:resets`, that the running
+trainer applies before its next step, or at its next start: see Trainer.apply_resets); export
+one's newest version as a flat PEFT directory.
 """
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generic, TypeVar
 
-from clawrl.common.tenants import SHARED, TenantSettings
+from clawrl.common import redis_client
+from clawrl.common.tenants import SHARED, TENANT_ID, TenantSettings
 from clawrl.trainer.checkpoints import CheckpointStore, TrainerState
 from clawrl.trainer.settings import TrainerSettings
 
@@ -111,3 +120,53 @@ def print_tenants(settings: TrainerSettings) -> None:
     print(f"{'tenant':<20} {'steps':>6} {'version':>8}  export")
     for tenant, steps, version, path in rows:
         print(f"{tenant:<20} {steps:>6} {version:>8}  {path or '-'}")
+
+
+def resets_stream(versions_stream: str) -> str:
+    """Where `clawrl-trainer tenants reset` asks the trainer to reset a tenant's adapter: a
+    stream, so a request made while the trainer is down is applied when it starts."""
+    return f"{versions_stream}:tenants:resets"
+
+
+class TenantCommandError(Exception):
+    """A tenants command that cannot be done; the message says why (printed, exit 1)."""
+
+
+def request_reset(settings: TrainerSettings, tenant: str) -> str:
+    """Ask the trainer to reset `tenant`'s adapter to the shared policy; the entry id."""
+    if not settings.tenants.per_tenant:
+        raise TenantCommandError("tenants.mode is shared: no tenant has an adapter to reset")
+    if not TENANT_ID.fullmatch(tenant):
+        raise TenantCommandError(f"{tenant!r} is not a tenant id ({TENANT_ID.pattern})")
+
+    async def add() -> str:
+        redis = redis_client.connect(settings.redis, socket_timeout=settings.redis.socket_timeout_s)
+        try:
+            stream = resets_stream(settings.redis.versions_stream)
+            entry_id = await redis.xadd(stream, {"tenant": tenant}, maxlen=1000, approximate=True)
+        finally:
+            await redis.aclose()
+        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+    return asyncio.run(add())
+
+
+def export_tenant(settings: TrainerSettings, tenant: str, out: Path) -> tuple[int, Path]:
+    """Copy `tenant`'s newest exported version (of the newest durable state) to `out`, a flat
+    PEFT adapter directory; (version, source)."""
+    store = CheckpointStore(settings.checkpoint)
+    found = store.latest_state()
+    versions = found[0].tenant_versions if found else {}
+    version = versions.get(tenant, 0)
+    if not version:
+        known = ", ".join(sorted(t for t, v in versions.items() if v)) or "none"
+        raise TenantCommandError(
+            f"tenant {tenant!r} has no exported version in {store.root} (tenants with one: {known})"
+        )
+    source = store.policies / f"tenant-{tenant}" / f"v{version}"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TenantCommandError(f"{out} exists and is not an empty directory: give a new one")
+    if out.exists():
+        out.rmdir()
+    shutil.copytree(source, out)
+    return version, source

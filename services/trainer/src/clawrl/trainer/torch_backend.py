@@ -157,15 +157,28 @@ class TorchBackend:
         name = peft_name(tenant)
         if tenant not in self.optimizers:
             self.model.add_adapter(name, self._lora_config())
-            shared = self._adapter_params(SHARED_ADAPTER)
-            with torch.no_grad():
-                for key, param in self._adapter_params(name).items():
-                    param.copy_(shared[key.replace(f".{name}.", f".{SHARED_ADAPTER}.")])
-            self.optimizers[tenant] = self._adamw(self._adapter_params(name).values())
+            self._from_shared(tenant)
             log.info("tenant %s: a new adapter, from the shared policy", tenant)
         self.model.set_adapter(name)  # the active adapter alone requires grad
         self.optimizer = self.optimizers[tenant]
         self.tenant = tenant
+
+    def reset_adapter(self, tenant: str) -> None:
+        """`tenant`'s adapter back to the shared policy: its weights a copy of the shared
+        adapter's, its optimizer new; it is the one in use afterwards (to export it)."""
+        if tenant == SHARED or tenant not in self.optimizers:
+            raise ValueError(f"tenant {tenant!r} has no adapter of its own to reset")
+        self._from_shared(tenant)
+        self.use_adapter(tenant)
+
+    def _from_shared(self, tenant: str) -> None:
+        """Copy the shared adapter's weights into `tenant`'s, and give it a fresh optimizer."""
+        name = peft_name(tenant)
+        shared = self._adapter_params(SHARED_ADAPTER)
+        with torch.no_grad():
+            for key, param in self._adapter_params(name).items():
+                param.copy_(shared[key.replace(f".{name}.", f".{SHARED_ADAPTER}.")])
+        self.optimizers[tenant] = self._adamw(self._adapter_params(name).values())
 
     def _adapter_params(self, name: str) -> dict[str, torch.nn.Parameter]:
         return {

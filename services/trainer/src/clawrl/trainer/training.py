@@ -13,7 +13,10 @@ a crash between 4 and 5 finds the ids in the state and acknowledges them without
 In `[tenants] mode = "per_tenant"` a batch is one adapter's (intake, tenants.TenantQueues): the
 step trains that adapter alone, every sync_interval steps of it exports it (a tenant's as
 policy/tenant-T/vN, announced as `tenant-T-vN` on the tenants' versions stream), and the same
-state holds every adapter, so exactly-once is the same for all.
+state holds every adapter, so exactly-once is the same for all. A resume re-announces each
+tenant's newest version that its stream lacks. `clawrl-trainer tenants reset T` is applied
+before the next step (apply_resets): T's adapter becomes a copy of the shared policy's and is
+exported and announced as T's next version at once.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from redis.asyncio import Redis
 
 from clawrl.common.logs import log_context
 from clawrl.common.records import Sample
+from clawrl.common.redis_text import text, text_fields
 from clawrl.common.streams import GroupConsumer
 from clawrl.common.tenants import SHARED, tenant_adapter, tenant_versions_stream
-from clawrl.common.versions import VersionReady, adapter_name, announce, latest
+from clawrl.common.versions import VersionReady, adapter_name, announce, latest, newest_per_tenant
 from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState, is_adapter_dir
 from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
@@ -46,7 +50,7 @@ from clawrl.trainer.losses import (
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import TrainerSettings
-from clawrl.trainer.tenants import adapter_of
+from clawrl.trainer.tenants import adapter_of, resets_stream
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +150,27 @@ class Trainer:
                 # The engines may serve an older version; the backend may already hold weights
                 # newer than the export (a state saved after it): from disk.
                 await self.sync(ready, from_disk=True)
+        await self._reannounce_tenants()
+
+    async def _reannounce_tenants(self) -> None:
+        """Announce each tenant's newest version again when its stream lacks it (the trainer
+        died between the durable state and the announcement)."""
+        if not self.state.tenant_versions:
+            return
+        stream = tenant_versions_stream(self.settings.redis.versions_stream)
+        announced = await newest_per_tenant(self.redis, stream)
+        for tenant, version in sorted(self.state.tenant_versions.items()):
+            if version and announced.get(tenant, 0) < version:
+                path = self.store.policies / f"tenant-{tenant}" / f"v{version}"
+                await announce(self.redis, stream, self._tenant_ready(tenant, version, path))
+                log.info("announced tenant %s's version %d again (its announcement was lost)",
+                         tenant, version)  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
         while not stop.is_set():
+            if self.intake.queues is not None:
+                await self.apply_resets()
             current = self.state.policy_version if self.intake.queues is None else self._version_of
             collected = await self.intake.next_batch(
                 current, self.trained.__contains__, self.uncommitted, stop,
@@ -295,16 +316,44 @@ class Trainer:
         path = self.store.commit_tenant_export(tmp, tenant, version)
         self.state.tenant_versions[tenant] = version
         self.metrics.tenant_version.labels(tenant).set(version)
-        self.unannounced_tenants.append(
-            VersionReady(
-                version=version,
-                path=self.store.announced_path(path),
-                step=self.state.step,
-                created_at=time.time(),
-                adapter=tenant_adapter(tenant, version),
-                tenant=tenant,
-            )
+        self.unannounced_tenants.append(self._tenant_ready(tenant, version, path))
+
+    def _tenant_ready(self, tenant: str, version: int, path) -> VersionReady:
+        return VersionReady(
+            version=version,
+            path=self.store.announced_path(path),
+            step=self.state.step,
+            created_at=time.time(),
+            adapter=tenant_adapter(tenant, version),
+            tenant=tenant,
         )
+
+    async def apply_resets(self) -> None:
+        """Reset the adapters `clawrl-trainer tenants reset` asked for since the last applied
+        request: each becomes a copy of the shared policy's adapter (a fresh optimizer too),
+        exported as the tenant's next version; the state that records the request as applied
+        is committed, then the version announced (the sync serves it like any other)."""
+        stream = resets_stream(self.settings.redis.versions_stream)
+        reply = await self.redis.xread({stream: self.state.resets_applied}, count=100)
+        if not reply:
+            return
+        for entry_id, fields in reply[0][1]:
+            self.state.resets_applied = text(entry_id)
+            tenant = text_fields(fields).get("tenant", "")
+            if not tenant:
+                self.metrics.tenant_resets.labels("malformed").inc()
+                log.error("reset request %s names no tenant: %r", entry_id, fields)
+            elif tenant not in self.state.tenant_steps:
+                self.metrics.tenant_resets.labels("no_adapter").inc()
+                log.warning("reset of tenant %s requested: it has no adapter of its own (it "
+                            "trains the shared policy already)", tenant)  # fmt: skip
+            else:
+                await self.backend.call("reset_adapter", tenant)
+                await self.export_tenant(tenant)
+                self.metrics.tenant_resets.labels("reset").inc()
+                log.warning("reset tenant %s's adapter to the shared policy: version %d",
+                            tenant, self.state.tenant_versions[tenant])  # fmt: skip
+        await self.commit()
 
     async def commit(self) -> None:
         """Make a state durable, then acknowledge its entries and announce its version."""
