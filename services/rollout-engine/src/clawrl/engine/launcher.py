@@ -120,6 +120,10 @@ def lora_flags(serving: EngineServerSettings) -> list[str]:
         argv += ["--max-lora-rank", str(serving.max_lora_rank)]
     if serving.lora_target_modules:
         argv += ["--lora-target-modules", *serving.lora_target_modules]
+    if serving.max_loaded_loras is not None:
+        argv += ["--max-loaded-loras", str(serving.max_loaded_loras)]
+    argv += ["--lora-eviction-policy", serving.lora_eviction_policy]
+    argv += ["--lora-drain-wait-threshold", str(serving.lora_drain_wait_threshold)]
     return argv
 
 

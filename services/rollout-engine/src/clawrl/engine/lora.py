@@ -6,8 +6,9 @@ id (so a name loaded again never shares cached KV with its predecessor); a reque
 adapter by name when it is admitted and holds it until it ends; unloading removes the name at
 once and then waits until no request holds the adapter. As in SGLang's tokenizer manager, an
 unload does not forget where the adapter came from: a later request naming it loads it again
-from that path (`history`); only a name never loaded is refused. Only the event loop touches a
-registry.
+from that path (`history`); only a name never loaded is refused. Names are kept from least to
+most recently used: `--max-loaded-loras` unloads the first unpinned one (SGLang's registry is an
+LRU too). Only the event loop touches a registry.
 """
 
 from __future__ import annotations
@@ -116,8 +117,13 @@ class LoraRegistry:
         return len(self._by_name)
 
     def loaded(self) -> dict[str, str]:
-        """name -> path of every registered adapter, in load order (SGLang's loaded_adapters)."""
+        """name -> path of every registered adapter (SGLang's loaded_adapters), least recently
+        used (or loaded) first."""
         return {ref.name: ref.path for ref in self._by_name.values()}
+
+    def least_recently_used(self) -> str | None:
+        """The unpinned adapter loaded or used longest ago (what --max-loaded-loras unloads)."""
+        return next((ref.name for ref in self._by_name.values() if not ref.pinned), None)
 
     def refs(self) -> list[LoraRef]:
         return list(self._by_name.values())
@@ -141,13 +147,15 @@ class LoraRegistry:
         return ref
 
     def acquire(self, name: str) -> LoraRef:
-        """The adapter a new request uses, counted until `release`."""
-        ref = self._by_name.get(name)
+        """The adapter a new request uses, counted until `release`; it becomes the most
+        recently used."""
+        ref = self._by_name.pop(name, None)
         if ref is None:
             raise AdapterNotLoaded(
                 f"The following requested LoRA adapters are not loaded: {name}\n"
                 f"Loaded adapters: {list(self._by_name)}."
             )
+        self._by_name[name] = ref  # to the end: the names run from least to most recently used
         self._users[ref.key] += 1
         self._idle[ref.key].clear()
         return ref

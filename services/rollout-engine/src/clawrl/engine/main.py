@@ -74,6 +74,12 @@ FLAGS = (
          **everywhere("engine", "max_lora_rank"), type=int),
     Flag("--lora-target-modules", "projections adapters may target (or all)",
          **everywhere("engine", "lora_target_modules"), many=True),
+    Flag("--max-loaded-loras", "most adapters loaded at once (the LRU one is unloaded)",
+         **everywhere("engine", "max_loaded_loras"), type=int),
+    Flag("--lora-eviction-policy", "lru or fifo: which resident adapter makes room",
+         **everywhere("engine", "lora_eviction_policy")),
+    Flag("--lora-drain-wait-threshold", "seconds an adapter waits before a slot is drained",
+         **everywhere("engine", "lora_drain_wait_threshold"), type=float),
 )  # fmt: skip
 
 

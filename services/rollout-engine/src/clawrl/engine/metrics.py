@@ -159,10 +159,46 @@ class EngineMetrics:
         )
         self.lora_swap_seconds = Histogram(
             "clawrl_engine_lora_swap_seconds",
-            "Time the model thread spent adding or deleting an adapter, by op (load, unload): "
-            "the pause it puts between two decode steps.",
+            "Time the model thread spent adding or deleting an adapter, by op (load: injected, "
+            "unload, evict: made non-resident): the pause it puts between two decode steps.",
             ["op"],
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.lora_resident = Gauge(
+            "clawrl_engine_lora_adapters_resident",
+            "LoRA adapters injected in the model, ready to batch (at most max_loras_per_batch).",
+            registry=r,
+        )
+        self.lora_on_demand_loads = Counter(
+            "clawrl_engine_lora_on_demand_loads",
+            "Loaded but non-resident adapters injected because a request needed them.",
+            registry=r,
+        )
+        self.lora_evictions = Counter(
+            "clawrl_engine_lora_evictions",
+            "Adapters evicted, by level: resident (made room for another in the model; kept "
+            "in host memory) or loaded (unloaded by max_loaded_loras; reloaded from its path "
+            "by a later request).",
+            ["level"],
+            registry=r,
+        )
+        self.lora_slot_waits = Counter(
+            "clawrl_engine_lora_slot_waits",
+            "Requests that waited for an adapter slot (the batch held max_loras_per_batch "
+            "adapters, every resident one was busy, or their adapter was draining).",
+            registry=r,
+        )
+        self.lora_slot_wait_seconds = Histogram(
+            "clawrl_engine_lora_slot_wait_seconds",
+            "How long a request that waited for an adapter slot waited, until admitted.",
+            buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+            registry=r,
+        )
+        self.lora_drains = Counter(
+            "clawrl_engine_lora_drains",
+            "Adapters of a full batch drained (no new requests until theirs end) to make room "
+            "for one that waited past lora_drain_wait_threshold.",
             registry=r,
         )
         self.engine_errors = Counter(

@@ -121,7 +121,28 @@ class EngineServerSettings(Section):
         8,
         gt=0,
         description="Most distinct adapters (the base model counting as one) in one running "
-        "batch; a request that would exceed it waits (SGLang's --max-loras-per-batch).",
+        "batch, and most adapters the CPU engine keeps injected (resident) at once; a request "
+        "that would exceed it waits (SGLang's --max-loras-per-batch).",
+    )
+    max_loaded_loras: int | None = Field(
+        None,
+        gt=0,
+        description="Most adapters loaded (registered, held in host memory) at once; loading "
+        "one more unloads the least recently used unpinned one, which a later request naming "
+        "it loads again from its path. None: no limit (SGLang's --max-loaded-loras).",
+    )
+    lora_eviction_policy: Literal["lru", "fifo"] = Field(
+        "lru",
+        description="Which resident adapter a request for a non-resident one evicts: the least "
+        "recently used (lru) or the first injected (fifo); never one the running batch uses "
+        "nor a pinned one (SGLang's --lora-eviction-policy).",
+    )
+    lora_drain_wait_threshold: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds a request may wait for an adapter slot before one adapter of the "
+        "full running batch is drained (admits no new requests until its running ones end) to "
+        "make room; 0: never drain (SGLang's --lora-drain-wait-threshold, whose default is 0).",
     )
     max_lora_rank: int | None = Field(
         None,
@@ -155,6 +176,18 @@ class EngineServerSettings(Section):
                 raise ValueError(
                     "If 'all' is specified in --lora-target-modules, it should be the only "
                     "module specified."
+                )
+        if self.max_loaded_loras is not None:
+            if self.max_loaded_loras < self.max_loras_per_batch:
+                raise ValueError(
+                    "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+                    f"max_loaded_loras={self.max_loaded_loras}, "
+                    f"max_loras_per_batch={self.max_loras_per_batch}"
+                )
+            if len(self.lora_paths) > self.max_loaded_loras:
+                raise ValueError(
+                    "The number of LoRA paths should not exceed max_loaded_loras. "
+                    f"max_loaded_loras={self.max_loaded_loras}, lora_paths={len(self.lora_paths)}"
                 )
         if self.lora_enabled and not self.lora_paths:
             if self.max_lora_rank is None or not modules:

@@ -175,3 +175,53 @@ def _check_shapes(
     if len(ranks) > 1:
         raise LoraError(f"Failed to load {name}: its modules have different ranks {sorted(ranks)}")
     return ranks.pop()
+
+
+class ResidentSet:
+    """Which loaded adapters are injected in the model (resident: a batch can use them), at most
+    `capacity` of them, and which one makes room for another, as SGLang's LoRA memory pool
+    chooses: never one the running batch uses nor a pinned one; of the rest the least recently
+    used (`lru`) or the first injected (`fifo`). Bookkeeping only: the scheduler injects."""
+
+    def __init__(self, capacity: int, policy: str = "lru"):
+        if policy not in ("lru", "fifo"):
+            raise ValueError(f"lora_eviction_policy {policy!r}: choose lru or fifo")
+        self.capacity = capacity
+        self.policy = policy
+        self._order: dict[str, None] = {}  # eviction order, first out first
+        self.pinned: set[str] = set()  # keys, resident or not
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def keys(self) -> list[str]:
+        """The resident adapters, the next to evict first."""
+        return list(self._order)
+
+    @property
+    def full(self) -> bool:
+        return len(self._order) >= self.capacity
+
+    def add(self, key: str) -> None:
+        if self.full:
+            raise RuntimeError(f"no free adapter slot for {key} ({self.capacity} resident)")
+        self._order[key] = None
+
+    def discard(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def touch(self, keys) -> None:
+        """`keys` are in use now: under lru they are evicted last."""
+        if self.policy != "lru":
+            return
+        for key in keys:
+            if key in self._order:
+                self._order[key] = self._order.pop(key)
+
+    def victim(self, busy: set) -> str | None:
+        """The resident adapter to evict for a new one, or None when every one is busy (used
+        by the running batch) or pinned."""
+        return next((k for k in self._order if k not in busy and k not in self.pinned), None)

@@ -113,7 +113,7 @@ class CpuEngine:
     def _load_initial_adapters(self) -> list[LoraRef]:
         """--lora-paths, injected before serving starts; the rank and target-module limits for
         later loads default to what these adapters need (SGLang infers them the same way)."""
-        assert self.runner is not None
+        assert self.runner is not None and self.scheduler is not None
         serving = self.settings.engine
         explicit_modules = serving.lora_target_modules
         self.max_lora_rank = serving.max_lora_rank or 0
@@ -130,7 +130,8 @@ class CpuEngine:
                 self.lora_modules if explicit_modules else normalized_modules(["all"]),
             )
             ref = LoraRef(name, path, pinned)
-            self.runner.add_adapter(ref.key, adapter)
+            # Injected while slots are free; the rest wait in host memory for a request.
+            self.scheduler.add_adapter(ref.key, adapter, pinned)
             self.max_lora_rank = max(self.max_lora_rank, adapter.rank)
             if not explicit_modules:
                 self.lora_modules |= normalized_modules(adapter.modules)
@@ -445,8 +446,10 @@ class CpuEngine:
     # ----- LoRA adapters -------------------------------------------------------------------
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> LoraUpdate:
-        """Read and check the adapter in a worker thread while serving goes on, inject it on the
-        model thread between two steps, then let requests name it."""
+        """Read and check the adapter in a worker thread while serving goes on, hand it to the
+        model thread between two steps (injected there if a slot is free, else when a request
+        needs it), then let requests name it. Beyond max_loaded_loras, the least recently used
+        unpinned adapter is unloaded (SGLang's order: after the new one is registered)."""
         assert self.scheduler is not None
         if not self.settings.engine.lora_enabled:
             return self._lora_failed("load", "LoRA is not enabled. Please set `--enable-lora` "
@@ -475,16 +478,33 @@ class CpuEngine:
             scheduler = self.scheduler
             try:
                 await asyncio.wrap_future(
-                    scheduler.call(lambda: scheduler.add_adapter(ref.key, adapter))
+                    scheduler.call(lambda: scheduler.add_adapter(ref.key, adapter, pinned))
                 )
             except Exception as exc:  # peft refused what the checks let through
                 log.exception("injecting LoRA adapter %s failed", name)
                 return self._lora_failed("load", f"Failed to load LoRA adapter {name}: {exc}")
             self.lora.register(ref)
             elapsed = time.perf_counter() - start
-        self.metrics.lora_load_seconds.observe(elapsed)
-        log.info("LoRA adapter %s loaded from %s in %.2f s", name, path, elapsed)
+            self.metrics.lora_load_seconds.observe(elapsed)
+            log.info("LoRA adapter %s loaded from %s in %.2f s", name, path, elapsed)
+            await self._keep_max_loaded()
         return self._lora_done("load")
+
+    async def _keep_max_loaded(self) -> None:
+        """Unload least recently used adapters while more than max_loaded_loras are loaded
+        (each once its running requests end); a later request naming one loads it again."""
+        limit = self.settings.engine.max_loaded_loras
+        while limit is not None and len(self.lora) > limit:
+            name = self.lora.least_recently_used()
+            if name is None:  # all pinned: cannot happen while pinned < max_loras_per_batch
+                log.warning("%d adapters loaded (max_loaded_loras=%d), all pinned",
+                            len(self.lora), limit)  # fmt: skip
+                return
+            log.info("unloading least recently used LoRA adapter %s (%d loaded, "
+                     "max_loaded_loras=%d)", name, len(self.lora), limit)  # fmt: skip
+            await self._unload(name)
+            self.metrics.lora_evictions.labels(level="loaded").inc()
+            self.metrics.lora_adapters.set(len(self.lora))
 
     async def unload_lora_adapter(self, name: str) -> LoraUpdate:
         """Refuse new requests for `name` at once, wait until the requests using it (running or
@@ -495,17 +515,22 @@ class CpuEngine:
                                      "to enable LoRA.")  # fmt: skip
         async with self._lora_lock:
             try:
-                ref = self.lora.unregister(name)
+                await self._unload(name)
             except LoraError as exc:
                 return self._lora_failed("unload", str(exc))
-            users = self.lora.users(ref)
-            if users:
-                log.info("unloading LoRA adapter %s once its %d requests end", name, users)
-            await self.lora.wait_unused(ref)
-            scheduler = self.scheduler
-            await asyncio.wrap_future(scheduler.call(lambda: scheduler.remove_adapter(ref.key)))
-        log.info("LoRA adapter %s unloaded", name)
         return self._lora_done("unload")
+
+    async def _unload(self, name: str) -> None:
+        """Unregister `name`, wait for its requests, delete it (holding the LoRA lock)."""
+        assert self.scheduler is not None
+        ref = self.lora.unregister(name)
+        users = self.lora.users(ref)
+        if users:
+            log.info("unloading LoRA adapter %s once its %d requests end", name, users)
+        await self.lora.wait_unused(ref)
+        scheduler = self.scheduler
+        await asyncio.wrap_future(scheduler.call(lambda: scheduler.remove_adapter(ref.key)))
+        log.info("LoRA adapter %s unloaded", name)
 
     def _pinned(self) -> int:
         return sum(ref.pinned for ref in self.lora.refs())

@@ -15,7 +15,16 @@ the new weights on resume. A request reports the version that produced its token
 LoRA: each sequence runs through its own adapter (or the base model) inside one mixed batch;
 a batch holds at most max_loras_per_batch distinct adapters (the base model counting as one), a
 request that would exceed it waits while later ones that fit are admitted (as SGLang does).
-Adapters are swapped in and out between two steps (`add_adapter`, `remove_adapter`).
+Every loaded adapter's checked tensors stay in host memory; at most max_loras_per_batch of them
+are injected in the model (resident). A request for a loaded but non-resident adapter has it
+injected when it is admitted, evicting the least recently used (or first injected) resident
+adapter that no running request uses and that is not pinned, as SGLang's LoRA memory pool
+does; without such a slot the request waits. One adapter is injected per turn, outside the
+queue's lock. So that busy adapters cannot keep the batch full forever, once a request has
+waited lora_drain_wait_threshold seconds for a slot, the running adapter with the fewest tokens
+left takes no new requests until its running ones end (SGLang's LoRA drainer), and the slot it
+frees goes to the oldest waiting request. Adapters are added and removed between two steps
+(`add_adapter`, `remove_adapter`).
 
 The asyncio side never touches torch: it submits requests and commands through thread-safe
 queues and receives GenerationUpdates through each sequence's `emit` callback (which hops onto
@@ -36,7 +45,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from clawrl.engine.cpu.adapters import PreparedAdapter
+from clawrl.engine.cpu.adapters import PreparedAdapter, ResidentSet
 from clawrl.engine.cpu.detokenizer import IncrementalDetokenizer
 from clawrl.engine.cpu.prefix_cache import LayerKV, PrefixCache
 from clawrl.engine.cpu.runner import KvBatch, ModelRunner, layer_kv, merge_kv, select_kv
@@ -90,6 +99,7 @@ class Sequence:
         self.weight_version = ""
         self.cached_tokens: int | None = None  # set at the first prefill
         self.adapter = request.lora_id  # LoRA adapter key; None: the base model
+        self.slot_wait_since: float | None = None  # when it first waited for an adapter slot
         # Prefill state: the tokens to put in the KV (the prompt, plus the output so far when
         # a retracted sequence comes back), how many are in already, and that KV.
         self.feed: list[int] = list(request.input_ids)
@@ -154,6 +164,11 @@ class Scheduler:
         self._window_start = time.perf_counter()
         self._prompt_total = 0
         self._cached_total = 0
+        # Every loaded adapter's checked tensors, by key; at most max_loras_per_batch resident.
+        self._adapters: dict[str, PreparedAdapter] = {}
+        self._resident = ResidentSet(settings.max_loras_per_batch, settings.lora_eviction_policy)
+        # A running adapter taking no new requests -> the adapter it makes room for.
+        self._draining: dict[str | None, str | None] = {}
         self._thread = threading.Thread(target=self._loop, name="clawrl-model", daemon=True)
 
     # ----- called from the asyncio side ----------------------------------------------------
@@ -233,11 +248,35 @@ class Scheduler:
     def resume(self) -> None:
         self._paused = False
 
-    def add_adapter(self, key: str, adapter: PreparedAdapter) -> None:
-        """Inject a checked adapter (run through `call`: between two steps)."""
+    def add_adapter(self, key: str, adapter: PreparedAdapter, pinned: bool = False) -> None:
+        """Take a checked adapter (run through `call`: between two steps): kept in host memory,
+        and injected now when a slot is free (else when a request needs it)."""
+        self._adapters[key] = adapter
+        if pinned:
+            self._resident.pinned.add(key)
+        if not self._resident.full:
+            try:
+                self._inject(key)
+            except BaseException:
+                self._forget(key)
+                raise
+        self._update_gauges()
+
+    @property
+    def resident_adapters(self) -> list[str]:
+        """Keys of the injected adapters, first to be evicted first."""
+        return self._resident.keys()
+
+    def _inject(self, key: str) -> None:
         start = time.perf_counter()
-        self.runner.add_adapter(key, adapter)
+        self.runner.add_adapter(key, self._adapters[key])
+        self._resident.add(key)
         self.metrics.lora_swap_seconds.labels(op="load").observe(time.perf_counter() - start)
+
+    def _forget(self, key: str) -> None:
+        self._adapters.pop(key, None)
+        self._resident.pinned.discard(key)
+        self._draining.pop(key, None)
 
     def remove_adapter(self, key: str) -> None:
         """Delete an adapter and its cached KV (run through `call`). Its requests have ended
@@ -245,7 +284,10 @@ class Scheduler:
         step drops it, so drop it first."""
         start = time.perf_counter()
         self._drop_aborted()
-        self.runner.remove_adapter(key)
+        self._forget(key)
+        if key in self._resident:
+            self._resident.discard(key)
+            self.runner.remove_adapter(key)
         self.metrics.lora_swap_seconds.labels(op="unload").observe(time.perf_counter() - start)
         if self.prefix_cache is not None:
             dropped = self.prefix_cache.drop(key)
@@ -344,20 +386,27 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Waiting requests that fit now: a batch slot, the KV budget by current use (not by
-        max_new_tokens: a request that outgrows it later is retracted), the prefill budget."""
+        max_new_tokens: a request that outgrows it later is retracted), the prefill budget, and
+        room for their adapter (see the module's docstring)."""
         s = self.settings
         used = self._kv_in_use()
         round_tokens = 0
-        adapters = {seq.adapter for seq in self._running + self._prefilling}
-        held_back: list[Sequence] = []  # their adapter would exceed max_loras_per_batch
+        busy = self._running + self._prefilling
+        adapters = {seq.adapter for seq in busy}
+        self._resident.touch(adapters)
+        held_back: list[Sequence] = []  # no room for their adapter now
+        inject: tuple[Sequence, str | None] | None = None  # (request, adapter to evict)
         with self._lock:
+            self._update_draining(busy, adapters)
             while self._waiting and self.num_running < s.max_running_requests:
                 seq = self._waiting.popleft()
                 if seq.aborted:
                     self._count_abort(seq)
                     continue
-                if seq.adapter not in adapters and len(adapters) >= s.max_loras_per_batch:
-                    held_back.append(seq)
+                key = seq.adapter
+                full = key not in adapters and len(adapters) >= s.max_loras_per_batch
+                if full or key in self._draining:
+                    self._wait_for_slot(seq, held_back)
                     continue
                 need = len(seq.feed) + 1
                 alone = not self._running and not self._prefilling
@@ -367,11 +416,89 @@ class Scheduler:
                 if not (fits or alone):
                     self._waiting.appendleft(seq)
                     break
+                if key is not None and key not in self._resident:
+                    victim = self._resident.victim(adapters) if self._resident.full else None
+                    if self._resident.full and victim is None:  # every slot busy or pinned
+                        self._wait_for_slot(seq, held_back)
+                        continue
+                    inject = (seq, victim)  # slow: done below, outside the lock
+                    break
                 used += need
                 round_tokens += need
-                adapters.add(seq.adapter)
-                self._start_prefill(seq)
+                adapters.add(key)
+                self._admitted(seq)
             self._waiting.extendleft(reversed(held_back))
+        if inject is not None:
+            self._make_resident(*inject)
+
+    def _wait_for_slot(self, seq: Sequence, held_back: list[Sequence]) -> None:
+        if seq.slot_wait_since is None:
+            seq.slot_wait_since = time.perf_counter()
+            self.metrics.lora_slot_waits.inc()
+        held_back.append(seq)
+
+    def _admitted(self, seq: Sequence) -> None:
+        if seq.slot_wait_since is not None:
+            waited = time.perf_counter() - seq.slot_wait_since
+            self.metrics.lora_slot_wait_seconds.observe(waited)
+            seq.slot_wait_since = None
+        self._resident.touch([seq.adapter])
+        self._start_prefill(seq)
+
+    def _make_resident(self, seq: Sequence, victim: str | None) -> None:
+        """Evict `victim` (its tensors stay in host memory, its cached KV stays valid) and
+        inject the adapter `seq` needs, then start `seq`."""
+        key = seq.adapter
+        assert key is not None
+        try:
+            if victim is not None:
+                start = time.perf_counter()
+                self._resident.discard(victim)
+                self.runner.remove_adapter(victim)
+                self.metrics.lora_swap_seconds.labels(op="evict").observe(
+                    time.perf_counter() - start
+                )
+                self.metrics.lora_evictions.labels(level="resident").inc()
+                log.info("evicted LoRA adapter %s to make room for %s", victim, key)
+            self._inject(key)
+        except Exception:  # peft refused what the checks let through
+            log.exception("injecting LoRA adapter %s failed; aborting request %s", key,
+                          seq.request.rid)  # fmt: skip
+            self.metrics.engine_errors.inc()
+            self.metrics.aborted_requests.labels(reason="error").inc()
+            seq.emit(GenerationUpdate(finish=abort_reason("engine error loading the adapter")))
+            return
+        self.metrics.lora_on_demand_loads.inc()
+        self._admitted(seq)
+
+    def _update_draining(self, busy: list[Sequence], adapters: set[str | None]) -> None:
+        """Stop new requests for running adapters that must make room for one whose request
+        waited past lora_drain_wait_threshold (the batch being full); an adapter drains until
+        its last running request ends. Called with the queue's lock held."""
+        for key in [k for k in self._draining if k not in adapters]:
+            del self._draining[key]
+        threshold = self.settings.lora_drain_wait_threshold
+        if threshold <= 0 or len(adapters) < self.settings.max_loras_per_batch:
+            return
+        now = time.perf_counter()
+        served = set(self._draining.values())
+        starving: list[str | None] = []
+        for seq in self._waiting:  # oldest first
+            since = seq.slot_wait_since
+            if since is None or now - since <= threshold or seq.adapter in adapters:
+                continue
+            if seq.adapter not in served and seq.adapter not in starving:
+                starving.append(seq.adapter)
+        left = tokens_left(busy)
+        for key in starving:
+            candidates = [k for k in adapters if k not in self._draining]
+            if not candidates:
+                break
+            drained = min(candidates, key=lambda k: left[k])
+            self._draining[drained] = key
+            self.metrics.lora_drains.inc()
+            log.info("draining LoRA adapter %s (%d tokens left) to make room for %s", drained,
+                     left[drained], key)  # fmt: skip
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Take the longest cached prefix (never the last token: its logits are needed, nor
@@ -629,8 +756,8 @@ class Scheduler:
         return new, finish
 
     def _cache_insert(self, ids: list[int], kv: LayerKV, adapter: str | None) -> None:
-        # Never under an adapter already removed (an aborted request's last chunks).
-        known = adapter is None or adapter in self.runner.adapters
+        # Never under an adapter already unloaded (an aborted request's last chunks).
+        known = adapter is None or adapter in self._adapters
         if self.prefix_cache is not None and ids and known:
             self.prefix_cache.insert(ids, kv, adapter)
 
@@ -693,6 +820,7 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         m = self.metrics
+        m.lora_resident.set(len(self._resident))
         m.num_running_reqs.set(self.num_running)
         m.num_queue_reqs.set(len(self._waiting))
         used = self._kv_in_use()
@@ -707,3 +835,13 @@ class Scheduler:
         if elapsed >= THROUGHPUT_WINDOW_S:
             m.gen_throughput.set(self._window_tokens / elapsed)
             self._window_tokens, self._window_start = 0, now
+
+
+def tokens_left(seqs: list[Sequence]) -> dict[str | None, int]:
+    """Per adapter, the most tokens one of its sequences may still generate (how long it takes
+    to drain)."""
+    left: dict[str | None, int] = {}
+    for seq in seqs:
+        n = seq.request.max_new_tokens - len(seq.output_ids)
+        left[seq.adapter] = max(left.get(seq.adapter, 0), n)
+    return left
