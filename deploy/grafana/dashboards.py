@@ -592,6 +592,44 @@ TENANTS = [
         "Steps per tenant (tenants with a batch take turns: none starves) and the mean "
         "staleness of each tenant's last step, in versions of its own adapter.",
     ),
+    Panel(
+        "Adapter syncs per tenant",
+        "ops",
+        (
+            (
+                f"{rate('clawrl_weight_sync_tenant_syncs_total', 'tenant, outcome', TENANT)}"
+                " or vector(0)",
+                "{{tenant}} {{outcome}}",
+            ),
+        ),
+        "Syncs of one tenant's adapter (loaded on every engine, switched on every gateway for "
+        "that tenant alone, no pause), by outcome.",
+    ),
+    Panel(
+        "Adapters on the engines",
+        "short",
+        (
+            (f"sum by (pod) ({sel('clawrl_engine_lora_adapters_resident')})", "{{pod}} resident"),
+            (f"sum by (pod) ({sel('clawrl_engine_lora_adapters')})", "{{pod}} loaded"),
+        ),
+        "Adapters each engine holds ready to batch (at most max_loras_per_batch) and loaded "
+        "(registered, in host memory; at most max_loaded_loras).",
+    ),
+    Panel(
+        "Adapter evictions and on-demand loads",
+        "ops",
+        (
+            (
+                f"{rate('clawrl_engine_lora_evictions_total', 'pod, level')} or vector(0)",
+                "{{pod}} evicted ({{level}})",
+            ),
+            (rate("clawrl_engine_lora_on_demand_loads_total", "pod"), "{{pod}} loaded on demand"),
+            (rate("clawrl_engine_lora_slot_waits_total", "pod"), "{{pod}} waited for a slot"),
+        ),
+        "Adapters evicted (resident: made room in the batch, kept in host memory; loaded: "
+        "unloaded past max_loaded_loras), brought back by a request, and requests that waited "
+        "for an adapter slot. Steady evictions: more active tenants than slots.",
+    ),
 ]
 
 

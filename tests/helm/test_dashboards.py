@@ -101,7 +101,8 @@ def test_pod_variable_drills_down_within_the_release() -> None:
 
 def test_the_tenants_row_shows_each_tenants_learning_and_adapters() -> None:
     """Per-tenant mode's row: reward, adapter versions (exported and served), samples and
-    requests, steps and staleness, each per tenant and filtered by the tenant variable."""
+    requests, steps, staleness and syncs, each per tenant and filtered by the tenant variable,
+    and the engines' adapters (resident, loaded, evicted)."""
     board = dashboards()["learning"]
     in_row = {title for title, row in rows(board).items() if row == "Tenants"}
     metrics = {
@@ -115,8 +116,14 @@ def test_the_tenants_row_shows_each_tenants_learning_and_adapters() -> None:
               "clawrl_gateway_tenant_requests_total", "clawrl_trainer_tenant_steps_total",
               "clawrl_trainer_tenant_staleness_mean"}  # fmt: skip
     assert wanted <= set(metrics)
+    # The engines' adapter slots (LRU): resident and loaded adapters, evictions.
+    engines = {"clawrl_engine_lora_adapters_resident", "clawrl_engine_lora_adapters",
+               "clawrl_engine_lora_evictions_total",
+               "clawrl_engine_lora_on_demand_loads_total"}  # fmt: skip
+    assert engines <= set(metrics)
+    wanted.add("clawrl_weight_sync_tenant_syncs_total")
     for metric in wanted:  # split by tenant and filtered to the tenants picked
-        assert 'tenant=~"$tenant"' in metrics[metric] and "tenant)" in metrics[metric], metric
+        assert 'tenant=~"$tenant"' in metrics[metric] and "by (tenant" in metrics[metric], metric
     variables = {v["name"]: v for v in board["templating"]["list"]}
     tenant = variables["tenant"]
     assert tenant["multi"] and tenant["includeAll"] and tenant["allValue"] == ".*"
