@@ -102,6 +102,8 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(
     assert restarted.state.tenant_versions == {"alice": 2, "bob": 1}
     assert restarted.state.policy_version == 2
     assert restarted.intake.queues.owners == {"alice", "bob"}
+    version = "clawrl_trainer_tenant_policy_version"
+    assert [counter(restarted, version, tenant=t) for t in ("alice", "bob")] == [2, 1]
 
     # `clawrl-trainer tenants` lists them from the newest durable state.
     assert tenant_rows(restarted.state, restarted.store) == [

@@ -136,6 +136,8 @@ class Trainer:
         self.trained = TrainedIds(state.trained_ids, self.settings.consumer.dedupe_window)
         self.metrics.policy_version.set(state.policy_version)
         self.metrics.step.set(state.step)
+        for tenant, version in state.tenant_versions.items():  # the dashboard's tenant versions
+            self.metrics.tenant_version.labels(tenant).set(version)
         if self.intake.queues is not None:  # the tenants that have an adapter already
             self.intake.queues.owners = {t for t in state.tenant_steps if t != SHARED}
         log.info("resumed from %s: step %d, policy version %d, %d trained ids",
