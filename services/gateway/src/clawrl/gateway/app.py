@@ -303,6 +303,7 @@ async def restore_tenant_adapters(settings: GatewaySettings, redis: Redis, gate:
         return
     for tenant, mine in served.items():
         gate.tenant_adapters[tenant] = (mine.version, mine.adapter)
+        gate.metrics.tenant_policy_version.labels(tenant).set(mine.version)
 
 
 async def initial_policy_version(settings: GatewaySettings, engine: SGLangClient) -> int:
