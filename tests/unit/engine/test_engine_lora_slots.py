@@ -135,7 +135,7 @@ def step(s: Scheduler, limit: int) -> set[str | None]:
     s._step()
     batch = batch_adapters(s)
     assert len(batch) <= limit, batch
-    assert len(s.resident_adapters) <= limit
+    assert len(s.resident_adapters) <= limit and len(s.runner.adapters) <= limit
     assert batch - {None} <= set(s.resident_adapters)  # what runs is resident
     return batch
 
@@ -174,9 +174,33 @@ def test_more_adapters_than_slots_each_request_gets_what_it_gets_alone(
         assert logps == pytest.approx(alone[name][1], abs=1e-5)
     assert {None, "a", "b", "c"} == set().union(*seen)  # all served, two at a time
     m = s.metrics
+    assert swaps(s, "replace") >= 1 and swaps(s, "load") == 2  # a, b at start; then reused
     assert m.lora_on_demand_loads._value.get() >= 1
     assert m.lora_evictions.labels(level="resident")._value.get() >= 1
     assert m.lora_slot_waits._value.get() >= 1
+
+
+def swaps(s: Scheduler, op: str) -> float:
+    """How many adapter swaps of kind `op` the scheduler made."""
+    samples = s.metrics.lora_swap_seconds.collect()[0].samples
+    return sum(x.value for x in samples if x.name.endswith("_count") and x.labels["op"] == op)
+
+
+@torch.inference_mode()
+def test_an_adapter_of_another_shape_is_injected_anew(model_dir, adapter_dirs, tmp_path):
+    small = make_adapter(model_dir, tmp_path / "q", rank=4, targets=("q_proj", "v_proj"),
+                         seed=9, scale=0.5)  # fmt: skip
+    outputs = {}
+    for capacity in (8, 2):  # alone (all resident), then replacing a resident one
+        s = scheduler(model_dir, {**adapter_dirs, "q": small}, max_loras_per_batch=capacity)
+        for name in ("a", "q", "c"):
+            _, updates = submit(s, name)
+            while not done(updates):
+                step(s, limit=capacity)
+            outputs.setdefault(name, []).append(output(updates))
+    assert all(ids_8 == ids_2 for (ids_8, _), (ids_2, _) in outputs.values())
+    assert swaps(s, "evict") == 1  # q could not reuse b's modules (rank 8, all projections)
+    assert swaps(s, "replace") == 1  # c took over a's
 
 
 @torch.inference_mode()

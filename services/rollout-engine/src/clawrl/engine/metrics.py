@@ -160,7 +160,8 @@ class EngineMetrics:
         self.lora_swap_seconds = Histogram(
             "clawrl_engine_lora_swap_seconds",
             "Time the model thread spent adding or deleting an adapter, by op (load: injected, "
-            "unload, evict: made non-resident): the pause it puts between two decode steps.",
+            "unload, evict: made non-resident, replace: an evicted adapter's injected modules "
+            "reused by one of the same shape): the pause it puts between two decode steps.",
             ["op"],
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,

@@ -446,21 +446,15 @@ class Scheduler:
         self._start_prefill(seq)
 
     def _make_resident(self, seq: Sequence, victim: str | None) -> None:
-        """Evict `victim` (its tensors stay in host memory, its cached KV stays valid) and
-        inject the adapter `seq` needs, then start `seq`."""
+        """Inject the adapter `seq` needs (in place of `victim`, when the slots are full), then
+        start `seq`."""
         key = seq.adapter
         assert key is not None
         try:
-            if victim is not None:
-                start = time.perf_counter()
-                self._resident.discard(victim)
-                self.runner.remove_adapter(victim)
-                self.metrics.lora_swap_seconds.labels(op="evict").observe(
-                    time.perf_counter() - start
-                )
-                self.metrics.lora_evictions.labels(level="resident").inc()
-                log.info("evicted LoRA adapter %s to make room for %s", victim, key)
-            self._inject(key)
+            if victim is None:
+                self._inject(key)
+            else:
+                self._replace(victim, key)
         except Exception:  # peft refused what the checks let through
             log.exception("injecting LoRA adapter %s failed; aborting request %s", key,
                           seq.request.rid)  # fmt: skip
@@ -470,6 +464,23 @@ class Scheduler:
             return
         self.metrics.lora_on_demand_loads.inc()
         self._admitted(seq)
+
+    def _replace(self, victim: str, key: str) -> None:
+        """Evict `victim` (its tensors stay in host memory, its cached KV stays valid) for
+        `key`. An adapter of the victim's shape takes over its injected modules (milliseconds);
+        any other is injected anew once the victim is deleted."""
+        start = time.perf_counter()
+        self._resident.discard(victim)
+        self.metrics.lora_evictions.labels(level="resident").inc()
+        log.info("evicting LoRA adapter %s to make room for %s", victim, key)
+        if self.runner.replace_adapter(victim, key, self._adapters[key]):
+            self._resident.add(key)
+            elapsed = time.perf_counter() - start
+            self.metrics.lora_swap_seconds.labels(op="replace").observe(elapsed)
+            return
+        self.runner.remove_adapter(victim)
+        self.metrics.lora_swap_seconds.labels(op="evict").observe(time.perf_counter() - start)
+        self._inject(key)
 
     def _update_draining(self, busy: list[Sequence], adapters: set[str | None]) -> None:
         """Stop new requests for running adapters that must make room for one whose request
