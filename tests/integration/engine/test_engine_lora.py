@@ -375,3 +375,46 @@ def test_an_adapter_served_beyond_the_trained_context_keeps_the_stretched_rope(
     print(f"served vs stretched transformers+peft: {error:.2e}; vs unstretched: {gap:.2e}")
     assert error < 1e-4
     assert gap > 1e-2  # the stretch shows at 13 + 32 tokens already
+
+
+def test_more_adapters_than_slots_over_http(engine_factory, adapters):
+    """Two slots, three adapters loaded at most: concurrent requests over three adapters and the
+    base model each get what they get alone while the engine evicts and injects between steps
+    (counted in /metrics); loading a fourth unloads the least recently used adapter, which a
+    later request loads again from its path; a name never loaded is SGLang's 400."""
+    url = engine_factory(
+        MODEL, "--lora-paths", *(f"{n}={adapters[n]}" for n in ("a1", "a2", "a3")),
+        "--max-loras-per-batch", "2", "--max-loaded-loras", "3",
+    )  # fmt: skip
+    assert metric(url, "clawrl_engine_lora_adapters_resident") == 2
+    names = [None, "a1", "a2", "a3"]
+    alone = {name: answer(url, name, max_new_tokens=24) for name in names}
+
+    async def together():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+            replies = [
+                client.post(f"{url}/generate",
+                            json={**request(PROMPT_IDS, name), "sampling_params": params})
+                for name in names
+            ]  # fmt: skip
+            return [r.json() for r in await asyncio.gather(*replies)]
+
+    for name, reply in zip(names, asyncio.run(together()), strict=True):
+        assert reply["output_ids"] == alone[name]["output_ids"], name
+        assert logprobs(reply) == pytest.approx(logprobs(alone[name]), abs=1e-5)
+    assert metric(url, "clawrl_engine_lora_on_demand_loads_total") >= 1
+    assert metric(url, "clawrl_engine_lora_evictions_total", level="resident") >= 1
+    assert metric(url, "clawrl_engine_lora_slot_waits_total") >= 1
+    assert metric(url, "clawrl_engine_lora_adapters_resident") == 2
+
+    for name in ("a2", "a3", "a1"):  # a2 is now the least recently used
+        answer(url, name, max_new_tokens=1)
+    reply = load(url, "a4", adapters["a1"])  # a1's directory under another name
+    assert reply.status_code == 200 and set(reply.json()["loaded_adapters"]) == {"a1", "a3", "a4"}
+    assert metric(url, "clawrl_engine_lora_evictions_total", level="loaded") == 1
+    assert answer(url, "a2", max_new_tokens=24)["output_ids"] == alone["a2"]["output_ids"]
+    assert "a2" in httpx.get(f"{url}/v1/models", timeout=TIMEOUT).text
+    never = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "nope"})
+    assert never.status_code == 400
+    assert "Got LoRA adapter that has never been loaded: nope" in never.text
