@@ -56,6 +56,7 @@ chart: setup  ## the Helm chart: helm lint/template, Kubernetes and CRD schemas,
 bench: setup  ## benchmarks print figures; they assert nothing
 	$(PY) tests/bench/bench_engine.py
 	$(PY) tests/bench/bench_engine_cache.py
+	$(PY) tests/bench/bench_adapters.py
 	$(PY) tests/bench/bench_agent_session.py
 	$(PY) tests/bench/bench_gateway.py
 	$(PY) tests/bench/bench_gateway_apis.py
