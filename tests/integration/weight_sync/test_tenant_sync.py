@@ -9,6 +9,7 @@ served adapter."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from safetensors.torch import load_file, save_file
 
 from clawrl.common.tenants import tenant_versions_stream
 from clawrl.common.versions import VersionReady
@@ -36,8 +38,18 @@ NAMES = ("policy-v5", "tenant-alice-v1", "tenant-alice-v2", "tenant-bob-v1", "te
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, Path]:
+    """One real PEFT adapter, and copies of it with their B weights scaled apart (one model
+    load instead of six)."""
     root = tmp_path_factory.mktemp("tenant-adapters")
-    return {name: tiny_adapter(root / name, seed=seed) for seed, name in enumerate(NAMES, 10)}
+    first = tiny_adapter(root / NAMES[0], seed=10)
+    tensors = load_file(str(first / "adapter_model.safetensors"))
+    made = {NAMES[0]: first}
+    for i, name in enumerate(NAMES[1:], 1):
+        shutil.copytree(first, root / name)
+        scaled = {k: v * (1 + 0.5 * i) if "lora_B" in k else v for k, v in tensors.items()}
+        save_file(scaled, str(root / name / "adapter_model.safetensors"))
+        made[name] = root / name
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +135,13 @@ def test_a_tenant_sync_switches_that_tenant_alone_with_no_pause(
     pauses = [g.metric("clawrl_gateway_pauses_total") for g in gateways]
     users = Users(gateways, ("alice", "bob", "carol"))
     users.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     first = sync(env, gateways, lora_engine, "tenant-alice-v1", adapters["tenant-alice-v1"])
-    time.sleep(1.0)
+    time.sleep(0.5)
     # The tenant given explicitly, as the launcher does.
     second = sync(env, gateways, lora_engine, "tenant-alice-v2", adapters["tenant-alice-v2"],
                   "--tenant", "alice")  # fmt: skip
-    time.sleep(1.0)
+    time.sleep(0.5)
     users.stop.set()
     users.join(timeout=60)
     assert first.returncode == 0, first.stderr
@@ -178,12 +190,6 @@ def test_a_tenant_sync_switches_that_tenant_alone_with_no_pause(
     for gateway in gateways:
         assert dict(gateway.status().tenant_adapters)["alice"] == "tenant-alice-v2"
     assert {k for k in loaded(lora_engine) if k in NAMES or k == "tenant-alice-v3"} == set(held)
-
-    # A tenant's adapter must be named after its tenant and version.
-    wrong = sync(env, gateways, lora_engine, "tenant-bob-v2", adapters["tenant-bob-v1"],
-                 "--tenant", "alice")  # fmt: skip
-    assert wrong.returncode == 1
-    assert "must be the adapter tenant-alice-v2, not 'tenant-bob-v2'" in wrong.stderr
 
 
 def test_the_launcher_follows_the_tenants_stream_and_restarts_get_tenants_back(
