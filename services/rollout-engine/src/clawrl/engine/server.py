@@ -292,6 +292,9 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
             "max_total_tokens": s.engine.max_total_tokens,
             "enable_lora": s.engine.lora_enabled,
             "max_loras_per_batch": s.engine.max_loras_per_batch,
+            "max_loaded_loras": s.engine.max_loaded_loras,
+            "lora_eviction_policy": s.engine.lora_eviction_policy,
+            "lora_drain_wait_threshold": s.engine.lora_drain_wait_threshold,
             "max_lora_rank": engine().max_lora_rank or None,
             "internal_states": [
                 {

@@ -435,6 +435,9 @@ class Scheduler:
         if seq.slot_wait_since is None:
             seq.slot_wait_since = time.perf_counter()
             self.metrics.lora_slot_waits.inc()
+            log.info("request %s waits for a slot for LoRA adapter %s (resident: %s; "
+                     "draining: %s)", seq.request.rid, seq.adapter, self._resident.keys(),
+                     list(self._draining))  # fmt: skip
         held_back.append(seq)
 
     def _admitted(self, seq: Sequence) -> None:
@@ -450,6 +453,7 @@ class Scheduler:
         start `seq`."""
         key = seq.adapter
         assert key is not None
+        start = time.perf_counter()
         try:
             if victim is None:
                 self._inject(key)
@@ -463,6 +467,8 @@ class Scheduler:
             seq.emit(GenerationUpdate(finish=abort_reason("engine error loading the adapter")))
             return
         self.metrics.lora_on_demand_loads.inc()
+        log.info("LoRA adapter %s made resident for request %s in %.3f s", key, seq.request.rid,
+                 time.perf_counter() - start)  # fmt: skip
         self._admitted(seq)
 
     def _replace(self, victim: str, key: str) -> None:
