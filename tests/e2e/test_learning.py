@@ -50,11 +50,16 @@ LORA_T = 0.1
 # Full fine-tuning subtracts the batch's mean reward: its rewards are all >= 0, and with the
 # default off-policy correction (TIS) an all-positive advantage on samples 2-3 versions stale at
 # lr 0.1 mostly reinforces whatever the policy drifted towards (measured: no learning in 15
-# steps without a baseline, reward 0.07 -> 1.0 with it).
+# steps without a baseline, reward 0.07 -> 1.0 with it). It also trains only on samples at most
+# one version old: a paused full sync trails the trainer's steps under load, and at lr 0.1 a
+# step on samples 3-4 versions old swung the reward (+0.64 -> -0.52 in one version) and left it
+# below +0.25 after 14 steps in 3 of 5 runs with the default max_staleness 4 (CI's included),
+# 0 of 3 with 1.
 TRAINING = {
     "full": (("--lora-rank", "0", "--lr", "0.1", "--baseline", "batch"), 1.0, 14),
     "lora": (("--lora-rank", "16", "--lr", LORA_LR, "--baseline", "none"), LORA_T, LORA_STEPS),
 }
+MAX_STALENESS = {"full": "1", "lora": "4"}
 
 
 @pytest.fixture(scope="module", params=sorted(TRAINING))
@@ -64,6 +69,7 @@ def stack(request, tmp_path_factory) -> Iterator[tuple[dict[str, int], Path, str
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "CLAWRL_CHECKPOINT__KEEP_VERSIONS": "100",
+        "CLAWRL_ROLLOUT__MAX_STALENESS": MAX_STALENESS[training],
     }
     args = ("--reward-fn", "tests.e2e.learning_reward:preferred_half", "--batch-size", "8",
             "--sync-interval", "1", "--status-interval", "5", *TRAINING[training][0])  # fmt: skip
@@ -73,7 +79,13 @@ def stack(request, tmp_path_factory) -> Iterator[tuple[dict[str, int], Path, str
 
 
 def trainer_step(port: int) -> int:
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+    """The trainer's step count; 0 while its /metrics does not answer in time (a busy trainer on
+    a loaded host: the callers poll until a deadline)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.TimeoutException:
+        return 0
+    for line in text.splitlines():
         if line.startswith("clawrl_trainer_step "):
             return int(float(line.split()[1]))
     return 0
