@@ -17,6 +17,7 @@ from clawrl.engine.launcher import build_argv
 from clawrl.engine.settings import EngineSettings
 from clawrl.gateway.settings import GatewaySettings
 from clawrl.trainer.settings import TrainerSettings
+from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 from tests.helm.conftest import CHART, CLUSTER_VALUES, helm, pod_specs, render
 from tests.helm.test_chart import SERVICE_SETTINGS, container_env
 from tests.helm.test_cluster_readiness import notes
@@ -28,6 +29,7 @@ TRAINER = [("RayJob", "clawrl-trainer/head", "ray-head"),
            ("RayJob", "clawrl-trainer/gpu", "ray-worker")]  # fmt: skip
 ENGINE = ("Deployment", "clawrl-policy-engine", "engine")
 JUDGE_ENGINE = ("Deployment", "clawrl-judge-engine", "engine")
+LAUNCHER = ("RayJob", "clawrl-trainer/head", "weight-sync-launcher")
 
 
 @pytest.fixture
@@ -68,6 +70,11 @@ def test_per_tenant_values_reach_the_gateway_and_the_trainer(settings_of) -> Non
     assert (gateway.max_adapters, gateway.min_samples_per_step) == (3, 2)
     assert gateway.header == "x-clawrl-tenant"
     assert gateway.owns_adapter("team-b") and not gateway.owns_adapter("bob")
+    # The weight-sync launcher follows the tenants' versions only in per-tenant mode.
+    launcher = settings_of(WeightSyncSettings, container_env(objects, *LAUNCHER))
+    assert launcher.tenants.mode == "per_tenant"
+    shared = settings_of(WeightSyncSettings, container_env(render(), *LAUNCHER))
+    assert shared.tenants.mode == "shared"
 
 
 def test_notes_say_who_gets_an_adapter_and_how_to_list_them() -> None:

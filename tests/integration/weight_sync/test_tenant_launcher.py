@@ -1,19 +1,29 @@
 """The launcher on a real Redis with tenants' versions (per-tenant mode): it follows the tenants'
 stream beside the shared one, collapses a burst to the newest version per tenant, lets tenants
 take turns (one announcing again waits behind the others), records each result's tenant in the
-metrics, and gives up on one tenant without holding up the others."""
+metrics, and gives up on one tenant without holding up the others. In shared mode it follows the
+shared policy alone, whatever an earlier per-tenant run left in Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from clawrl.common.tenants import tenant_adapter, tenant_versions_stream
+import pytest
+
+from clawrl.common.served import write_served_tenant
+from clawrl.common.tenants import TenantSettings, tenant_adapter, tenant_versions_stream
 from clawrl.common.versions import VersionReady, announce
 from clawrl.trainer.weight_sync.job import SyncResult, publish
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 
 from .test_weight_sync_launcher import say, setup, until, watching  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def per_tenant(setup):  # noqa: F811
+    settings, redis = setup
+    return settings.model_copy(update={"tenants": TenantSettings(mode="per_tenant")}), redis
 
 
 async def say_tenant(redis, settings, tenant: str, version: int) -> None:
@@ -46,8 +56,8 @@ class TenantSyncs:
         return code
 
 
-async def test_tenants_take_turns_and_each_burst_collapses_to_its_newest(setup):  # noqa: F811
-    settings, redis = setup
+async def test_tenants_take_turns_and_each_burst_collapses_to_its_newest(per_tenant):
+    settings, redis = per_tenant
     syncs = TenantSyncs(settings, redis)
     metrics = WeightSyncMetrics()
     await say(redis, settings, 1)
@@ -78,8 +88,8 @@ async def test_tenants_take_turns_and_each_burst_collapses_to_its_newest(setup):
     assert sample("clawrl_weight_sync_syncs_total", {"outcome": "ok"}) == 5
 
 
-async def test_a_tenant_given_up_holds_up_nobody_else(setup):  # noqa: F811
-    settings, redis = setup
+async def test_a_tenant_given_up_holds_up_nobody_else(per_tenant):
+    settings, redis = per_tenant
     syncs = TenantSyncs(settings, redis, failing={"alice"})
     metrics = WeightSyncMetrics()
     await say_tenant(redis, settings, "alice", 1)
@@ -105,3 +115,25 @@ async def test_a_tenant_given_up_holds_up_nobody_else(setup):  # noqa: F811
         sample("clawrl_weight_sync_tenant_syncs_total", {"tenant": "alice", "outcome": "failed"})
         == 2
     )
+
+
+async def test_shared_mode_follows_the_shared_policy_alone(setup):  # noqa: F811
+    settings, redis = setup
+    assert settings.tenants.mode == "shared"
+    # Left by an earlier per-tenant run on the same Redis: an announcement and a served adapter.
+    await say_tenant(redis, settings, "alice", 1)
+    await write_served_tenant(redis, settings.sync.served_key, "alice", 1,
+                              tenant_adapter("alice", 1), "/ckpt/tenant-alice/v1")  # fmt: skip
+    await say(redis, settings, 1)
+    syncs = TenantSyncs(settings, redis)
+    fast = settings.model_copy(
+        update={"launcher": settings.launcher.model_copy(update={"reconcile_interval_s": 0.05})}
+    )
+    watcher, task = await watching(fast, redis, syncs)
+    try:
+        await until(lambda: watcher.served == 1)
+        await asyncio.sleep(0.5)  # several convergence checks
+    finally:
+        task.cancel()
+    assert syncs.launched == [("", 1)]
+    assert watcher.tenant_served == {}

@@ -80,7 +80,7 @@ def gateways(lora_engine, redis_url, log_dir, served_key):
 
 @pytest.fixture
 def env(sync_env, served_key) -> dict[str, str]:
-    return {**sync_env, "CLAWRL_SYNC__SERVED_KEY": served_key}
+    return {**sync_env, "CLAWRL_SYNC__SERVED_KEY": served_key, "CLAWRL_TENANTS__MODE": "per_tenant"}
 
 
 def ask(replica, user: str) -> httpx.Response:

@@ -38,7 +38,7 @@ from pathlib import Path
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from clawrl.common.served import read_served, read_served_tenants
+from clawrl.common.served import read_served, read_served_tenants, tenants_key
 from clawrl.common.tenants import tenant_versions_stream
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.job import SyncResult, adapter_tenant
@@ -135,8 +135,11 @@ class SyncWatcher:
         # Newest announcement not synced yet, per tenant ("": the shared policy), in the order
         # they started waiting: tenants take turns, and a busy one cannot starve the others.
         self.pending: dict[str, VersionReady] = {}
+        self.per_tenant = settings.tenants.mode == "per_tenant"
         self._tenants_stream = tenant_versions_stream(settings.redis.versions_stream)
-        self._read_ids = {settings.redis.versions_stream: "0-0", self._tenants_stream: "0-0"}
+        self._read_ids = {settings.redis.versions_stream: "0-0"}
+        if self.per_tenant:
+            self._read_ids[self._tenants_stream] = "0-0"
         self._results_id = "0-0"
         self._checked_at = 0.0  # last comparison of the replicas with the served version
 
@@ -150,6 +153,16 @@ class SyncWatcher:
         free) /continue_generation is harmless, so every engine gets one now."""
         newest = await self.redis.xrevrange(self.settings.sync.results_stream, count=1)
         self._results_id = newest[0][0] if newest else "0-0"
+        if not self.per_tenant:
+            left = await read_served_tenants(self.redis, self.settings.sync.served_key)
+            if left:
+                log.warning(
+                    "shared mode: ignoring the served adapters of %d tenant(s) (%s) left in %s:"
+                    " every caller is served the shared policy",
+                    len(left),
+                    ", ".join(sorted(left)),
+                    tenants_key(self.settings.sync.served_key),
+                )
         if await self.redis.exists(self.settings.sync.lock_key):
             log.info("a sync holds the lock at start: leaving the engines to it")
             return
@@ -220,6 +233,8 @@ class SyncWatcher:
             again.append(
                 VersionReady(served.version, served.path, 0, served.updated_at, served.adapter)
             )
+        if not self.per_tenant:
+            return again
         tenants = await read_served_tenants(self.redis, self.settings.sync.served_key)
         for tenant in await tenant_divergence(self.settings, tenants):
             mine = tenants[tenant]

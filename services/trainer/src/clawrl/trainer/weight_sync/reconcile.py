@@ -42,10 +42,12 @@ async def reconcile_adapters(
         metrics.adapter_reloads.labels(outcome="failed").inc()
         log.error("cannot reconcile adapters: %s", exc)
         return 0
-    wanted = [
-        (t.adapter, t.path)
-        for t in (await read_served_tenants(redis, settings.sync.served_key)).values()
-    ]
+    wanted = []
+    if settings.tenants.mode == "per_tenant":
+        wanted = [
+            (t.adapter, t.path)
+            for t in (await read_served_tenants(redis, settings.sync.served_key)).values()
+        ]
     if served is not None and served.adapter:
         wanted.insert(0, (served.adapter, served.path))
     if not wanted:

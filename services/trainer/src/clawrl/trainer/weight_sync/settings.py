@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
+from clawrl.common.tenants import TenantSettings
 
 
 class GatewayTargets(Section):
@@ -158,6 +159,8 @@ class WeightSyncSettings(ClawrlSettings):
     engines: EngineTargets = Field(default_factory=EngineTargets)
     sync: SyncSettings = Field(default_factory=SyncSettings)
     launcher: LauncherSettings = Field(default_factory=LauncherSettings)
+    # Only `mode` matters here: in shared mode tenants' versions are neither followed nor served.
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
 
     @model_validator(mode="after")
     def _check(self) -> WeightSyncSettings:
