@@ -131,7 +131,7 @@ class CpuEngine:
             )
             ref = LoraRef(name, path, pinned)
             # Injected while slots are free; the rest wait in host memory for a request.
-            self.scheduler.add_adapter(ref.key, adapter, pinned)
+            self.scheduler.add_adapter(ref.key, adapter, pinned, name)
             self.max_lora_rank = max(self.max_lora_rank, adapter.rank)
             if not explicit_modules:
                 self.lora_modules |= normalized_modules(adapter.modules)
@@ -478,7 +478,7 @@ class CpuEngine:
             scheduler = self.scheduler
             try:
                 await asyncio.wrap_future(
-                    scheduler.call(lambda: scheduler.add_adapter(ref.key, adapter, pinned))
+                    scheduler.call(lambda: scheduler.add_adapter(ref.key, adapter, pinned, name))
                 )
             except Exception as exc:  # peft refused what the checks let through
                 log.exception("injecting LoRA adapter %s failed", name)

@@ -166,6 +166,7 @@ class Scheduler:
         self._cached_total = 0
         # Every loaded adapter's checked tensors, by key; at most max_loras_per_batch resident.
         self._adapters: dict[str, PreparedAdapter] = {}
+        self._names: dict[str | None, str] = {None: "(base model)"}  # key -> name, for logs
         self._resident = ResidentSet(settings.max_loras_per_batch, settings.lora_eviction_policy)
         # A running adapter taking no new requests -> the adapter it makes room for.
         self._draining: dict[str | None, str | None] = {}
@@ -248,10 +249,13 @@ class Scheduler:
     def resume(self) -> None:
         self._paused = False
 
-    def add_adapter(self, key: str, adapter: PreparedAdapter, pinned: bool = False) -> None:
+    def add_adapter(
+        self, key: str, adapter: PreparedAdapter, pinned: bool = False, name: str = ""
+    ) -> None:
         """Take a checked adapter (run through `call`: between two steps): kept in host memory,
         and injected now when a slot is free (else when a request needs it)."""
         self._adapters[key] = adapter
+        self._names[key] = name or key
         if pinned:
             self._resident.pinned.add(key)
         if not self._resident.full:
@@ -275,6 +279,7 @@ class Scheduler:
 
     def _forget(self, key: str) -> None:
         self._adapters.pop(key, None)
+        self._names.pop(key, None)
         self._resident.pinned.discard(key)
         self._draining.pop(key, None)
 
@@ -431,13 +436,16 @@ class Scheduler:
         if inject is not None:
             self._make_resident(*inject)
 
+    def _named(self, keys) -> list[str]:
+        return [self._names.get(key, str(key)) for key in keys]
+
     def _wait_for_slot(self, seq: Sequence, held_back: list[Sequence]) -> None:
         if seq.slot_wait_since is None:
             seq.slot_wait_since = time.perf_counter()
             self.metrics.lora_slot_waits.inc()
             log.info("request %s waits for a slot for LoRA adapter %s (resident: %s; "
-                     "draining: %s)", seq.request.rid, seq.adapter, self._resident.keys(),
-                     list(self._draining))  # fmt: skip
+                     "draining: %s)", seq.request.rid, self._names.get(seq.adapter),
+                     self._named(self._resident.keys()), self._named(self._draining))  # fmt: skip
         held_back.append(seq)
 
     def _admitted(self, seq: Sequence) -> None:
@@ -467,8 +475,8 @@ class Scheduler:
             seq.emit(GenerationUpdate(finish=abort_reason("engine error loading the adapter")))
             return
         self.metrics.lora_on_demand_loads.inc()
-        log.info("LoRA adapter %s made resident for request %s in %.3f s", key, seq.request.rid,
-                 time.perf_counter() - start)  # fmt: skip
+        log.info("LoRA adapter %s made resident for request %s in %.3f s", self._names.get(key),
+                 seq.request.rid, time.perf_counter() - start)  # fmt: skip
         self._admitted(seq)
 
     def _replace(self, victim: str, key: str) -> None:
@@ -478,7 +486,8 @@ class Scheduler:
         start = time.perf_counter()
         self._resident.discard(victim)
         self.metrics.lora_evictions.labels(level="resident").inc()
-        log.info("evicting LoRA adapter %s to make room for %s", victim, key)
+        log.info("evicting LoRA adapter %s to make room for %s", self._names.get(victim),
+                 self._names.get(key))  # fmt: skip
         if self.runner.replace_adapter(victim, key, self._adapters[key]):
             self._resident.add(key)
             elapsed = time.perf_counter() - start
@@ -514,8 +523,8 @@ class Scheduler:
             drained = min(candidates, key=lambda k: left[k])
             self._draining[drained] = key
             self.metrics.lora_drains.inc()
-            log.info("draining LoRA adapter %s (%d tokens left) to make room for %s", drained,
-                     left[drained], key)  # fmt: skip
+            log.info("draining LoRA adapter %s (%d tokens left) to make room for %s",
+                     self._names.get(drained), left[drained], self._names.get(key))  # fmt: skip
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Take the longest cached prefix (never the last token: its logits are needed, nor
