@@ -95,7 +95,7 @@ def adapter_dirs(model_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def scheduler(model_dir: Path, adapter_dirs: dict[str, Path], **settings) -> Scheduler:
-    """A scheduler over a fresh runner holding adapters a, b, c (keyed by their names)."""
+    """A scheduler over a fresh runner holding the adapters of `adapter_dirs` (keyed by name)."""
     runner = ModelRunner(model_dir)
     serving = EngineServerSettings(enable_lora=True, max_lora_rank=8,
                                    lora_target_modules=["all"], **settings)  # fmt: skip
