@@ -4,12 +4,12 @@ batch's mean reward as baseline, the judge's `stated_preference`) driven by `cla
 --tenants 2`: tenant a wants one paragraph, tenant b points on separate lines, the opposite
 taste. Each tenant's samples train its own adapter and each is served its own versions.
 
-Prints each tenant's per-version table (its check of live replies, the judged reward, the
-held-out score under its own adapter and under the other tenant's adapter of the same version
-number), each tenant's reward gain (last 3 versions vs v0), then the held-out scores pinned on
-the engine: each tenant's taste on the base model, under its own final adapter and under the
-other tenant's final adapter. Writes the CSVs and a plot of both tenants (to docs/ with --docs).
-Asserts nothing.
+Prints each tenant's per-version table (its check of live replies, the judged reward; with
+--held-out-every, the held-out score under its own adapter and under the other tenant's adapter
+of the same version number), each tenant's reward gain (last 3 versions vs v0), then the
+held-out scores pinned on the engine: each tenant's taste on the base model, under its own final
+adapter and under the other tenant's final adapter. Writes the CSVs and a plot of both tenants
+(to docs/ with --docs). Asserts nothing.
 
     .venv/bin/python tests/bench/bench_tenants.py [--minutes 14] [--seed 0] [--docs]
 """
@@ -22,6 +22,7 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,20 +61,39 @@ def series(path: Path, column: str) -> tuple[list[int], list[float]]:
     return [v for v, _ in found], [x for _, x in found]
 
 
-def plot(csvs: list[Path], target: Path, title: str) -> None:
+@dataclass(frozen=True)
+class Pinned:
+    """A tenant's held-out scores on the engine, pinned: its taste on the base model, under its
+    own final adapter and under the other tenant's final adapter."""
+
+    base: float
+    own_version: int
+    own: float
+    other_version: int
+    other: float
+
+
+def plot(csvs: list[Path], pinned: list[Pinned | None], target: Path, title: str) -> None:
     """One panel per tenant: the judged reward of its versions, its held-out score under its own
-    adapter and under the other tenant's adapter of the same version number."""
+    adapter and under the other tenant's adapter (of the same version number during the run;
+    the final ones, pinned, at the end)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(csvs), figsize=(12, 4), sharey=True)
-    for ax, path, key, scenario in zip(axes, csvs, KEYS, SCENARIOS, strict=True):
+    for ax, path, scores, key, scenario in zip(axes, csvs, pinned, KEYS, SCENARIOS, strict=True):
         for column, style, label in LINES:
             versions, values = series(path, column)
             if versions:
                 ax.plot(versions, values, style, label=label)
+        if scores is not None:
+            last = scores.own_version
+            ax.plot([0, last], [scores.base, scores.own], "^:", color="tab:orange",
+                    label=f"held-out, own adapter v{last} (pinned)")  # fmt: skip
+            other = f"held-out, the other's adapter v{scores.other_version} (pinned)"
+            ax.plot([0, last], [scores.base, scores.other], "v:", color="tab:green", label=other)
         ax.set_title(f"{key}: wants {'one paragraph' if scenario == 'preference' else 'lines'}")
         ax.set_xlabel("version of the tenant's adapter")
         ax.set_ylim(-1.05, 1.05)
@@ -99,9 +119,10 @@ def main() -> None:
     parser.add_argument(
         "--held-out-every",
         type=int,
-        default=3,
-        help="versions between held-out scores during the run (4 evaluations of 32 questions "
-        "each take the engine from the live sessions)",
+        default=0,
+        help="versions between held-out scores during the run (0: none; each is 4 evaluations "
+        "of 32 questions that take the engine from the live sessions); the final versions are "
+        "always scored at the end, pinned on the engine",
     )
     parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
     parser.add_argument("--docs", action="store_true", help="copy the CSVs and PNG to docs/")
@@ -123,40 +144,69 @@ def main() -> None:
             ["--tenants", "2", "--tenant-keys", ",".join(KEYS),
              "--tenant-scenarios", ",".join(SCENARIOS), "--engine-url", engine,
              "--seed", str(args.seed), "--concurrency", str(args.concurrency),
-             "--held-out-every", str(args.held_out_every),
+             *(["--held-out-every", str(args.held_out_every)] if args.held_out_every
+               else ["--no-held-out"]),
              "--out-dir", str(out)],
         )  # fmt: skip
         csvs = [next(out.glob(f"simulate-*-{name}.csv")) for name in ("a", "b")]
         finals = [final_version(path) for path in csvs]
         prefixes = [f"tenant-{key_tenant(key)}" for key in KEYS]
+        found = []
         for index, (key, path) in enumerate(zip(KEYS, csvs, strict=True)):
             other = 1 - index
             print(f"\n{key} ({TASTES[index]}): {goal(path)}", flush=True)
-            base = engine_held_out(engine, None, env, TASTES[index])
-            own = pinned(engine, prefixes[index], finals[index], env, TASTES[index])
-            cross = pinned(engine, prefixes[other], finals[other], env, TASTES[index])
-            if None not in (base, own, cross):
-                print(f"{key} held-out (engine, pinned): base {base:.3f}, own v{finals[index]} "
-                      f"{own:.3f} ({own - base:+.3f}), {KEYS[other]}'s v{finals[other]} "
-                      f"{cross:.3f} ({cross - base:+.3f})", flush=True)  # fmt: skip
+            taste = TASTES[index]
+            base = engine_held_out(engine, None, env, taste)
+            own = newest_pinned(engine, prefixes[index], finals[index], env, taste)
+            cross = newest_pinned(engine, prefixes[other], finals[other], env, taste)
+            if base is None or own is None or cross is None:
+                found.append(None)
+                continue
+            found.append(Pinned(base, own[0], own[1], cross[0], cross[1]))
+            print(f"{key} held-out (engine, pinned): base {base:.3f}, own v{own[0]} "
+                  f"{own[1]:.3f} ({own[1] - base:+.3f}), {KEYS[other]}'s v{cross[0]} "
+                  f"{cross[1]:.3f} ({cross[1] - base:+.3f})", flush=True)  # fmt: skip
         minutes = (time.monotonic() - started) / 60
         title = f"Two tenants, opposite tastes: {args.model}, seed {args.seed}, {minutes:.0f} min"
         made = out / "tenants.png"
-        plot(csvs, made, title)
-        print(f"wrote {made}")
+        plot(csvs, found, made, title)
+        summary = out / "held-out.csv"
+        write_summary(found, summary)
+        print(f"wrote {made} and {summary}")
         if args.docs:
             docs = REPO / "docs"
             stem = f"tenants-{args.model}-seed{args.seed}"
             for name, path in zip(("a", "b"), csvs, strict=True):
                 shutil.copy(path, docs / f"{stem}-{name}.csv")
             shutil.copy(made, docs / f"{stem}.png")
-            print(f"wrote {docs}/{stem}-a.csv, -b.csv and .png")
+            shutil.copy(summary, docs / f"{stem}-held-out.csv")
+            print(f"wrote {docs}/{stem}-a.csv, -b.csv, -held-out.csv and .png")
         print((run_dir / "stack.log").read_text().splitlines()[-1])
 
 
-def pinned(engine: str, prefix: str, version: int, env: dict, taste: str) -> float | None:
-    """A taste's held-out score on the engine pinned to a tenant's adapter (base for v0)."""
-    return engine_held_out(engine, f"{prefix}-v{version}" if version else None, env, taste)
+def newest_pinned(
+    engine: str, prefix: str, version: int, env: dict, taste: str
+) -> tuple[int, float] | None:
+    """(version, score): a taste's held-out score on the engine pinned to a tenant's adapter
+    (base for v0), the final version the simulation saw or, when the trainer made newer ones
+    from the last samples and the engine holds those instead, the next one it holds."""
+    for newer in range(version, version + 4):
+        score = engine_held_out(engine, f"{prefix}-v{newer}" if newer else None, env, taste)
+        if score is not None:
+            return newer, score
+    return None
+
+
+def write_summary(found: list[Pinned | None], path: Path) -> None:
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["tenant", "taste", "base", "own_version", "own", "other_version",
+                         "other"])  # fmt: skip
+        for key, taste, scores in zip(KEYS, TASTES, found, strict=True):
+            if scores is not None:
+                writer.writerow([key, taste, f"{scores.base:.4f}", scores.own_version,
+                                 f"{scores.own:.4f}", scores.other_version,
+                                 f"{scores.other:.4f}"])  # fmt: skip
 
 
 if __name__ == "__main__":
