@@ -94,3 +94,27 @@ def test_the_sglang_engine_trains_full_weights_and_refuses_lora(tmp_path, monkey
     assert argv[1:3] == ["--backend", "sglang"] and "--enable-lora" not in argv
     assert env["CLAWRL_SGLANG__PYTHON"] == str(tmp_path / "venv" / "bin" / "python")
     assert "--device" in env["CLAWRL_SGLANG__EXTRA_ARGS"] and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_per_tenant_mode_and_api_keys_reach_the_processes(monkeypatch, capsys) -> None:
+    from clawrl.gateway.settings import GatewaySettings
+
+    args = stack.parse_args(["--tenants", "per_tenant", "--tenant-batch", "6",
+                             "--api-key", "tenant-a", "--api-key", "tenant-b"])  # fmt: skip
+    assert stack.tenant_env(args) == {
+        "CLAWRL_TENANTS__MODE": "per_tenant",
+        "CLAWRL_TENANTS__MIN_SAMPLES_PER_STEP": "6",
+    }
+    # The gateway reads the keys (and the mode) as stack.py hands them over.
+    monkeypatch.setenv("CLAWRL_CONFIG", "/nonexistent/clawrl.toml")
+    for name, value in {**stack.tenant_env(args), **stack.gateway_env(args)}.items():
+        monkeypatch.setenv(name, value)
+    settings = GatewaySettings()
+    assert settings.api_keys() == ["tenant-a", "tenant-b"]
+    assert settings.tenants.per_tenant and settings.tenants.min_samples_per_step == 6
+    # Unset flags leave clawrl.toml's settings alone; no keys: an open API.
+    plain = stack.parse_args([])
+    assert stack.tenant_env(plain) == {} and stack.gateway_env(plain) == {}
+    # An adapter per tenant needs LoRA: refused before anything starts.
+    assert stack.main(["--tenants", "per_tenant", "--lora-rank", "0"]) == 2
+    assert "needs LoRA" in capsys.readouterr().err
