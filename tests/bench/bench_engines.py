@@ -1,15 +1,18 @@
 """The CPU engine and real SGLang side by side, on this machine, in one run: decode tokens/s at 1
 and 8 streams, cold prefill tokens/s at 1k, 4k and 13k tokens, the time to first token of a
 cached follow-up (the 13k prompt plus a short new message), memory, and the CPU an idle engine
-uses. A plain transformers forward pass (SDPA) over the same ids is the prefill baseline. Prints
-a table; asserts nothing.
+uses. A plain transformers forward pass (SDPA) over the same ids is the prefill baseline: it runs
+in this process right before each engine prefill (`--repeats` times per size, fresh ids each
+time), so each ratio compares two passes that saw the same host. Prints a table (medians) and
+the ratios' ranges; asserts nothing.
 
 Each engine runs alone with the same threads; SGLang is started by the project's launcher
 (`clawrl-engine --backend sglang`, its generic CPU path, bf16), the CPU engine as `make run`
 starts it (float32). Both serve a 16k context (RoPE stretched alike). Needs `make setup-sglang`.
 
     .venv/bin/python tests/bench/bench_engines.py [--model NAME] [--threads 2]
-        [--prefill 1024 4096 13000] [--engines cpu sglang] [--baseline-dtypes float32 bfloat16]
+        [--prefill 1024 4096 13000] [--repeats 1] [--engines cpu sglang]
+        [--baseline-dtypes float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,50 +142,86 @@ def generate(url: str, ids: list[int]) -> tuple[float, dict]:
     return time.perf_counter() - start, reply.json()["meta_info"]
 
 
-def measure_engine(engine: Engine, sizes: list[int], new_tokens: int) -> dict:
+class Baseline:
+    """One transformers forward pass (SDPA, causal, no cache kept beyond the call) over the
+    ids, then the logits of the last position only, as an engine computes them."""
+
+    def __init__(self, model_dir: Path, dtype: str, threads: int):
+        torch.set_num_threads(threads)
+        config = AutoConfig.from_pretrained(model_dir)
+        stretch_config(config, CONTEXT, "yarn")
+        self.name = f"transformers {dtype}"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        ).eval()
+        self.prefill(prompt_ids(64, seed=1))  # warm-up
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> tuple[float, float]:
+        """(seconds, CPU seconds) of the pass."""
+        start, cpu = time.perf_counter(), time.process_time()
+        hidden = self.model.model(torch.tensor([ids]), use_cache=False)
+        self.model.lm_head(hidden.last_hidden_state[:, -1])
+        return time.perf_counter() - start, time.process_time() - cpu
+
+
+def measure_engine(
+    engine: Engine,
+    sizes: list[int],
+    repeats: int,
+    new_tokens: int,
+    baselines: list[Baseline],
+    rows: dict[str, dict],
+) -> dict:
+    """The engine's row; each cold prefill follows the baselines' passes over the same ids,
+    whose rates go to their rows in `rows`."""
     row: dict = {"start_s": engine.start_s, "idle_cpu": engine.idle_cpu()}
     asyncio.run(run_level(engine.url, 2, 8, 1))  # warm-up
     for streams in (1, 8):
         row[f"decode_{streams}"] = asyncio.run(run_level(engine.url, streams, new_tokens, 1))
     generate(engine.url, prompt_ids(64, seed=1))  # warm-up of the prefill path
     for n in sizes:
-        cpu = engine.cpu_s()
-        seconds, _ = generate(engine.url, prompt_ids(n, seed=n))
-        cpu = max(engine.cpu_s() - cpu, 0.01)  # psutil counts in 10 ms ticks
-        row[f"prefill_{n}"] = (n / seconds, n / cpu)
-        print(f"  {engine.kind}: prefill {n} tokens: {seconds:.1f}s, {cpu:.1f} CPU s", flush=True)
-    longest = prompt_ids(max(sizes), seed=max(sizes))
-    seconds, meta = generate(engine.url, longest + prompt_ids(FOLLOW_UP, seed=7))
+        for repeat in range(repeats):
+            ids = prompt_ids(n, seed=n * 100 + repeat)
+            for baseline in baselines:
+                seconds, cpu = baseline.prefill(ids)
+                rates = rows.setdefault(baseline.name, {}).setdefault(f"prefill_{n}", [])
+                rates.append((n / seconds, n / cpu))
+                row.setdefault(f"paired_{n}", {}).setdefault(baseline.name, []).append(n / cpu)
+                print(f"  {baseline.name}: {n} tokens: {seconds:.1f}s, {cpu:.1f} CPU s", flush=True)
+            cpu = engine.cpu_s()
+            seconds, _ = generate(engine.url, ids)
+            cpu = max(engine.cpu_s() - cpu, 0.01)  # psutil counts in 10 ms ticks
+            row.setdefault(f"prefill_{n}", []).append((n / seconds, n / cpu))
+            print(
+                f"  {engine.kind}: prefill {n} tokens: {seconds:.1f}s, {cpu:.1f} CPU s", flush=True
+            )
+    # A follow-up to the last (longest) prompt: cached unless the engine evicted it.
+    seconds, meta = generate(engine.url, ids + prompt_ids(FOLLOW_UP, seed=7))
     row["follow_up_s"], row["follow_up_cached"] = seconds, meta.get("cached_tokens")
     row["rss_mb"], row["peak_mb"] = engine.memory_mb()
     return row
 
 
-@torch.inference_mode()
-def plain_forward(model_dir: Path, sizes: list[int], dtype: str, threads: int) -> dict:
-    """Prefill tokens/s of one transformers forward pass (SDPA, causal, no cache object kept
-    beyond the call) over the same ids, and the logits of the last position only, as an engine
-    computes them."""
-    torch.set_num_threads(threads)
-    config = AutoConfig.from_pretrained(model_dir)
-    stretch_config(config, CONTEXT, "yarn")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation="sdpa"
-    ).eval()
-    model.model(torch.tensor([prompt_ids(64, seed=1)]))  # warm-up
-    row = {}
-    for n in sizes:
-        start, cpu = time.perf_counter(), time.process_time()
-        hidden = model.model(torch.tensor([prompt_ids(n, seed=n)]), use_cache=False)
-        model.lm_head(hidden.last_hidden_state[:, -1])
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-        row[f"prefill_{n}"] = (n / seconds, n / cpu)
-        print(f"  transformers {dtype}: {n} tokens in {seconds:.1f}s ({cpu:.1f} CPU s)", flush=True)
-    return row
-
-
-def rate(per_s: float, per_cpu_s: float) -> str:
+def rate(rates: list[tuple[float, float]]) -> str:
+    """Median tokens/s (median tokens per CPU second) of the repeats."""
+    per_s = statistics.median(r[0] for r in rates)
+    per_cpu_s = statistics.median(r[1] for r in rates)
     return f"{per_s:.0f} ({per_cpu_s:.0f})"
+
+
+def ratios(rows: dict[str, dict], sizes: list[int]) -> None:
+    """Each engine's prefill tokens per CPU second over its paired baseline pass's."""
+    for name, row in rows.items():
+        for n in sizes:
+            engine = [per_cpu for _, per_cpu in row.get(f"prefill_{n}", [])]
+            for baseline, paired in row.get(f"paired_{n}", {}).items():
+                each = [e / b for e, b in zip(engine, paired, strict=True)]
+                print(
+                    f"{name} / {baseline}, prefill {n}, per CPU second: "
+                    f"{min(each):.2f}-{max(each):.2f}x (median {statistics.median(each):.2f}x, "
+                    f"{len(each)} pairs: {' '.join(f'{x:.3f}' for x in each)})"
+                )
 
 
 def report(rows: dict[str, dict], sizes: list[int], args: argparse.Namespace) -> None:
@@ -201,7 +241,7 @@ def report(rows: dict[str, dict], sizes: list[int], args: argparse.Namespace) ->
             f"{row[f'decode_{s}']['tok_s']:>15.1f}" if f"decode_{s}" in row else f"{'':>15}"
             for s in (1, 8)
         )
-        prefills = " ".join(f"{rate(*row[f'prefill_{n}']):>17}" for n in sizes)
+        prefills = " ".join(f"{rate(row[f'prefill_{n}']):>17}" for n in sizes)
         tail = (
             f"{row['follow_up_s']:>12.2f} {row['follow_up_cached']!s:>8} {row['rss_mb']:>7.0f} "
             f"{row['peak_mb']:>7.0f} {row['start_s']:>7.0f} {row['idle_cpu']:>8.0%}"
@@ -209,6 +249,8 @@ def report(rows: dict[str, dict], sizes: list[int], args: argparse.Namespace) ->
             else ""
         )
         print(f"{name:<22}{decode} {prefills}{tail}")
+    print()
+    ratios(rows, sizes)
 
 
 def main() -> None:
@@ -217,6 +259,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--prefill", type=int, nargs="+", default=[1024, 4096, 13000])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="cold prefills per size and engine")
     parser.add_argument(
         "--engines", nargs="+", choices=("cpu", "sglang"), default=["cpu", "sglang"]
     )
@@ -225,14 +268,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     model_dir = resolve_model_dir(ModelSettings(path=args.model))
-    rows: dict[str, dict] = {}
-    for dtype in args.baseline_dtypes:
-        rows[f"transformers {dtype}"] = plain_forward(model_dir, args.prefill, dtype, args.threads)
+    baselines = [Baseline(model_dir, dtype, args.threads) for dtype in args.baseline_dtypes]
+    rows: dict[str, dict] = {baseline.name: {} for baseline in baselines}
     for kind in args.engines:
         print(f"==> {kind} engine", flush=True)
         with Engine(kind, args.model, args.threads) as engine:
-            rows[{"cpu": "CPU engine (f32)", "sglang": "SGLang (bf16)"}[kind]] = measure_engine(
-                engine, args.prefill, args.new_tokens
+            name = {"cpu": "CPU engine (f32)", "sglang": "SGLang (bf16)"}[kind]
+            rows[name] = measure_engine(
+                engine, args.prefill, args.repeats, args.new_tokens, baselines, rows
             )
     report(rows, args.prefill, args)
 
