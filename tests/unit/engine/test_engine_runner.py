@@ -241,3 +241,26 @@ def test_only_the_shifted_causal_mask_takes_the_unmasked_passes():
     assert not is_shifted_causal(wider, past)
     assert not is_shifted_causal(mask.expand(2, 1, -1, -1), past)
     assert not is_shifted_causal(None, past)
+
+
+@torch.inference_mode()
+def test_a_chunk_computes_its_logits_only_when_asked(runner, monkeypatch):
+    """Only a prompt's last chunk needs next-token logits: the LM head (a pass over its whole
+    weight for one row) does not run for the chunks before it."""
+    rows = []
+    head = runner.lm_head
+
+    def counted(hidden):
+        rows.append(tuple(hidden.shape))
+        return head(hidden)
+
+    monkeypatch.setattr(runner, "lm_head", counted)
+    first = runner.extend(None, 0, [11, 12, 13])
+    last = runner.extend(first.cache, 3, [14, 15])
+    assert rows == []
+    logits = last.last_logits
+    assert last.last_logits is logits and rows == [(runner.config.hidden_size,)]
+    monkeypatch.setattr(runner, "lm_head", head)
+    assert torch.allclose(
+        logits, runner.extend(None, 0, [11, 12, 13, 14, 15]).last_logits, atol=1e-5
+    )

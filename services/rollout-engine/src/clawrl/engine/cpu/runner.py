@@ -10,8 +10,10 @@ with LoRA off) the decoder runs bare, as before."""
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,11 +261,19 @@ def select_kv(kv: KvBatch, rows: list[int]) -> KvBatch:
 @dataclass
 class ExtendResult:
     """One sequence's forward pass over new tokens. hidden: [C, H] of the C new tokens;
-    last_logits: [V] after the last of them; cache: the sequence's KV (batch of 1)."""
+    cache: the sequence's KV (batch of 1); head: the LM head."""
 
     hidden: torch.Tensor
-    last_logits: torch.Tensor
     cache: DynamicCache
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+    @functools.cached_property
+    def last_logits(self) -> torch.Tensor:
+        """[V] after the last new token, computed when first asked: only a prompt's last
+        chunk needs them, and the head reads all its weights (113 MB for SmolLM2-135M in
+        float32) for one row."""
+        with torch.no_grad():
+            return self.head(self.hidden[-1]).float()
 
 
 def layer_kv(cache: DynamicCache, row: int = 0, last: int | None = None) -> LayerKV:
@@ -420,7 +430,7 @@ class ModelRunner:
             use_cache=True,
         )
         hidden = out.last_hidden_state[0]
-        return ExtendResult(hidden, self.lm_head(hidden[-1]).float(), out.cache)
+        return ExtendResult(hidden, out.cache, self.lm_head)
 
     def decode(
         self, kv: KvBatch, token_ids: torch.Tensor, adapters: list[str | None] | None = None
