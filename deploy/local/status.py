@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -23,7 +23,8 @@ class Snapshot:
     samples_waiting: int = 0
     steps: int = 0
     reward_mean: float | None = None
-    policy_version: int = 0
+    policy_version: int = 0  # the shared policy's
+    tenant_versions: dict[str, int] = field(default_factory=dict)  # per-tenant mode: each adapter's
     last_sync: SyncResult | None = None
 
     def line(self) -> str:
@@ -32,11 +33,16 @@ class Snapshot:
             f"turns {self.turns} | samples waiting {self.samples_waiting} | steps {self.steps} | "
             f"reward mean (last {REWARD_WINDOW}) {reward} | policy v{self.policy_version}"
         )
+        if self.tenant_versions:
+            text += " | tenants " + ", ".join(
+                f"{tenant} v{version}" for tenant, version in sorted(self.tenant_versions.items())
+            )
         sync = self.last_sync
         if sync is not None:
             ago = time.time() - sync.finished_at
+            whose = f"{sync.tenant} " if sync.tenant else ""
             text += (
-                f" | last sync v{sync.version} {sync.outcome}, pause {sync.pause_s:.2f}s "
+                f" | last sync {whose}v{sync.version} {sync.outcome}, pause {sync.pause_s:.2f}s "
                 f"(load {sync.load_s:.2f}s) {ago:.0f}s ago"
             )
         return text
@@ -74,10 +80,14 @@ def snapshot(client: redis.Redis, trainer_metrics_url: str) -> Snapshot:
         if len(rewards) == REWARD_WINDOW:
             break
     state.reward_mean = sum(rewards) / len(rewards) if rewards else None
-    for _, fields in client.xrevrange("clawrl:weight-syncs", count=100):
+    shared_found = False
+    for _, fields in client.xrevrange("clawrl:weight-syncs", count=1000):
         result = SyncResult.from_fields(fields)
         state.last_sync = state.last_sync or result
-        if result.outcome in ("ok", "skipped"):
-            state.policy_version = result.version
-            break
+        if result.outcome not in ("ok", "skipped"):
+            continue
+        if result.tenant:  # a tenant's adapter: not the shared policy's version
+            state.tenant_versions.setdefault(result.tenant, result.version)
+        elif not shared_found:
+            state.policy_version, shared_found = result.version, True
     return state
