@@ -61,6 +61,8 @@ def test_per_tenant_values_reach_the_gateway_and_the_trainer(settings_of) -> Non
     objects = render(sets=(*PER_TENANT, "tenants.allow={alice,team-a}", "tenants.pattern=team-.*",
                            "tenants.header=x-clawrl-tenant", "tenants.maxAdapters=3",
                            "tenants.minSamplesPerStep=2"))  # fmt: skip
+    # Rendered first: settings_of sets the containers' environment (HOME too) in this process.
+    shared_objects = render()
     gateway = settings_of(GatewaySettings, container_env(objects, *GATEWAY)).tenants
     for where in TRAINER:  # the driver and the training actors read the same section
         trainer = settings_of(TrainerSettings, container_env(objects, *where))
@@ -73,7 +75,7 @@ def test_per_tenant_values_reach_the_gateway_and_the_trainer(settings_of) -> Non
     # The weight-sync launcher follows the tenants' versions only in per-tenant mode.
     launcher = settings_of(WeightSyncSettings, container_env(objects, *LAUNCHER))
     assert launcher.tenants.mode == "per_tenant"
-    shared = settings_of(WeightSyncSettings, container_env(render(), *LAUNCHER))
+    shared = settings_of(WeightSyncSettings, container_env(shared_objects, *LAUNCHER))
     assert shared.tenants.mode == "shared"
 
 
