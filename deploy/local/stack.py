@@ -60,8 +60,10 @@ def port_open(port: int) -> bool:
 
 
 def http_ok(url: str) -> bool:
+    # A readiness probe may itself wait on a slow peer: the gateway's /readyz asks the engine,
+    # and SGLang on this CPU (sleeping when idle) took ~1 s to answer its two questions.
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
+        with urllib.request.urlopen(url, timeout=10) as response:
             return response.status == 200
     except OSError:
         return False
