@@ -35,7 +35,7 @@ def test_stream_completion_arrives_token_by_token(gateway):
     stream = client.chat.completions.create(
         model="m",
         messages=[user("Count to ten.")],
-        max_tokens=8,
+        max_tokens=24,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -46,14 +46,16 @@ def test_stream_completion_arrives_token_by_token(gateway):
         c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
     ]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    # 24 tokens: under load the engine merges updates queued while the reader lagged, and a
+    # short answer could then arrive whole.
     assert len(content) >= 2, "tokens must arrive in separate chunks, not one at the end"
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     # Same prompt, greedy, non-stream: same text.
     whole = client.chat.completions.create(
         model="m",
         messages=[user("Count to ten.")],
-        max_tokens=8,
+        max_tokens=24,
         temperature=0,
         extra_headers={"X-Turn-Type": "side"},
     )
