@@ -135,7 +135,7 @@ class SyncWatcher:
         # Newest announcement not synced yet, per tenant ("": the shared policy), in the order
         # they started waiting: tenants take turns, and a busy one cannot starve the others.
         self.pending: dict[str, VersionReady] = {}
-        self.per_tenant = settings.tenants.mode == "per_tenant"
+        self.per_tenant = settings.tenants.per_tenant
         self._tenants_stream = tenant_versions_stream(settings.redis.versions_stream)
         self._read_ids = {settings.redis.versions_stream: "0-0"}
         if self.per_tenant:

@@ -43,7 +43,7 @@ async def reconcile_adapters(
         log.error("cannot reconcile adapters: %s", exc)
         return 0
     wanted = []
-    if settings.tenants.mode == "per_tenant":
+    if settings.tenants.per_tenant:
         wanted = [
             (t.adapter, t.path)
             for t in (await read_served_tenants(redis, settings.sync.served_key)).values()
