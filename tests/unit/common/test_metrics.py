@@ -42,8 +42,10 @@ def test_freezing_takes_the_start_up_objects_out_of_collection(collector):
     collector, registry = collector
     built_at_start = [[i] for i in range(10_000)]  # container objects: the collector tracks them
     frozen = collector.freeze()
-    assert frozen == gc.get_freeze_count() >= len(built_at_start)
-    assert sample(registry, "clawrl_test_gc_frozen_objects") == frozen
+    assert frozen >= len(built_at_start)
+    # The gauge reads the count at scrape time: a frozen object freed since (by another thread,
+    # say) has left it, so it may be a little below what freeze() saw, never above.
+    assert len(built_at_start) <= sample(registry, "clawrl_test_gc_frozen_objects") <= frozen
     # A full collection no longer visits them: it sees only what was made since.
     assert not any(obj is built_at_start for obj in gc.get_objects(generation=2))
 
