@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from clawrl.common.tenants import SHARED_LABEL
+
 # Request latencies from a millisecond (gateway overhead) up to minutes (long CPU generations).
 LATENCY_BUCKETS_S = (
     0.001,
@@ -32,15 +34,13 @@ LATENCY_BUCKETS_S = (
     300.0,
 )
 TOKEN_COUNT_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-# The `tenant` label of the shared policy's series (its tenant id is ""; an empty label value is
-# no label to Prometheus). Only tenants with an adapter of their own get their id as a label
-# value, so the label is bounded by tenants.max_adapters + 1.
-SHARED_TENANT = "shared"
 
 
 def tenant_label(adapter: str) -> str:
-    """The `tenant` label value of an adapter's series: its tenant's id, or SHARED_TENANT."""
-    return adapter or SHARED_TENANT
+    """The `tenant` label value of an adapter's series: its tenant's id, or the shared policy's
+    label. Only tenants with an adapter of their own get their id as a label value, so the label
+    is bounded by tenants.max_adapters + 1."""
+    return adapter or SHARED_LABEL
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

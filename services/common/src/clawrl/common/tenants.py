@@ -25,6 +25,15 @@ TenantMode = Literal["shared", "per_tenant"]
 SHARED = ""  # the tenant of a caller the gateway cannot tell apart, and of the shared policy
 # A tenant id names adapters, directories and metric labels: short, no separators of paths.
 TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
+# The `tenant` label of the shared policy's series (its tenant id is ""; an empty label value is
+# no label to Prometheus): no tenant may take it as its id.
+SHARED_LABEL = "shared"
+
+
+def is_tenant_id(name: str) -> bool:
+    return TENANT_ID.fullmatch(name) is not None and name != SHARED_LABEL
+
+
 ADAPTER = re.compile(r"tenant-(?P<tenant>[A-Za-z0-9][A-Za-z0-9_.-]{0,47})-v(?P<version>[0-9]+)")
 
 
@@ -77,10 +86,11 @@ class TenantSettings(Section):
     @field_validator("allow")
     @classmethod
     def _ids(cls, value: list[str]) -> list[str]:
-        bad = [t for t in value if not TENANT_ID.fullmatch(t)]
+        bad = [t for t in value if not is_tenant_id(t)]
         if bad:
             raise ValueError(
-                f"tenants.allow holds ids that are not tenant ids ({TENANT_ID.pattern}): {bad}"
+                f"tenants.allow holds ids that are not tenant ids ({TENANT_ID.pattern}, "
+                f"not {SHARED_LABEL!r}): {bad}"
             )
         return value
 
@@ -106,8 +116,9 @@ def key_tenant(credential: str) -> str:
 
 def named_tenant(name: str) -> str:
     """The tenant id of a header or `user` value: itself when it is a valid id, else a hash
-    (a value that could not name an adapter or a directory)."""
-    if TENANT_ID.fullmatch(name):
+    (a value that could not name an adapter or a directory, or would take the shared policy's
+    metric label)."""
+    if is_tenant_id(name):
         return name
     return "u" + hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
 
