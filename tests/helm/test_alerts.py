@@ -21,6 +21,7 @@ ALERTS = {
     "ClawrlTrainerStalled", "ClawrlPolicyVersionLag", "ClawrlWeightSyncFailing",
     "ClawrlJudgeLagGrowing", "ClawrlGateway5xxHigh", "ClawrlEngineKVCacheFull",
     "ClawrlEngineQueueing", "ClawrlRedisMemoryHigh", "ClawrlRayJobFailed", "ClawrlTargetDown",
+    "ClawrlTenantVersionLag",  # per-tenant mode (20)
 }  # fmt: skip
 # render() installs release `clawrl` in namespace `ml`: its pods are named clawrl-<component>-...
 RELEASE_SCOPE = re.compile(
@@ -153,4 +154,24 @@ def test_a_failed_rayjob_of_the_release_fires(rule, promtool, rules_file, tmp_pa
         alert_test({status.format(name=ours, status="Running"): "1x5",
                     status.format(name=ours, status="Failed"): "0x5",
                     status.format(name=theirs, status="Failed"): "1x5"}, alert, "2m", []),
+    ])  # fmt: skip
+
+
+def test_a_tenant_served_an_old_adapter_fires_for_that_tenant(
+    rule, promtool, rules_file, tmp_path
+) -> None:
+    trainer = ('clawrl_trainer_tenant_policy_version{{namespace="ml", '
+               'pod="clawrl-trainer-1a2b3c4d-head-x", tenant="{}"}}')  # fmt: skip
+    gateway = ('clawrl_gateway_tenant_policy_version{{namespace="ml", pod="clawrl-gateway-{}", '
+               'tenant="{}"}}')  # fmt: skip
+    alert = "ClawrlTenantVersionLag"
+    # Tenant alice's adapter reaches v10 while one gateway stays at v5; bob's syncs keep up.
+    series = {
+        trainer.format("alice"): "0+1x10 10x30", gateway.format("a", "alice"): "0+1x10 10x30",
+        gateway.format("b", "alice"): "0+1x5 5x35",
+        trainer.format("bob"): "0+1x40", gateway.format("a", "bob"): "0 0+1x39",
+    }  # fmt: skip
+    run_rule_tests(promtool, rules_file, tmp_path, [
+        alert_test(series, alert, "20m", []),  # lagging for 10 m only
+        alert_test(series, alert, "30m", fired(rule, alert, tenant="alice")),
     ])  # fmt: skip
