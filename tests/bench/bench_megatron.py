@@ -6,8 +6,12 @@ SmolLM2-135M has 9 attention heads and 3 KV heads, so TP=2 is impossible for it 
 refuses it, printed below); its multi-rank figure is at TP=3. On this 2-core machine TP>1 runs
 more ranks than cores: the figure shows the cost of the collectives, not a speed-up.
 
+At TP>1 sequence parallelism is on by default; `--sequence-parallel both` times each TP>1 with it
+off and on, side by side (it adds a gather and a reduce-scatter per layer).
+
     .venv/bin/python tests/bench/bench_megatron.py [--model SmolLM2-135M-Instruct] [--tp 1 3]
         [--batch 8] [--prompt 128] [--response 128] [--steps 2] [--skip-torch]
+        [--sequence-parallel on|off|both]
 """
 
 from __future__ import annotations
@@ -76,12 +80,12 @@ async def measure(name: str, backend, model_dir: Path, args) -> dict:
             "export_s": export_s}  # fmt: skip
 
 
-def settings_for(args, backend: str, tp: int) -> TrainerSettings:
+def settings_for(args, backend: str, tp: int, sequence_parallel: bool = True) -> TrainerSettings:
     return TrainerSettings(
         model={"path": args.model},
         train={"backend": backend, "device": "cpu", "micro_batch_tokens": args.micro_batch_tokens},
         ray={"actor_num_cpus": max(1, 2 // tp)},
-        megatron={"tensor_parallel_size": tp},
+        megatron={"tensor_parallel_size": tp, "sequence_parallel": sequence_parallel},
     )
 
 
@@ -111,10 +115,13 @@ async def main(args: argparse.Namespace) -> None:
         show(await measure("torch", backend, model_dir, args))
         del backend  # its model, optimizer and activations: gigabytes the Megatron ranks need
         gc.collect()
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.sequence_parallel]
     for tp in args.tp:
-        actors = start_actors(settings_for(args, "megatron", tp))
-        show(await measure(f"megatron TP={tp}", ActorGroup(actors), model_dir, args))
-        stop_actors(actors)
+        for sequence_parallel in modes if tp > 1 else [False]:
+            name = f"megatron TP={tp}" + (" SP" if sequence_parallel else "")
+            actors = start_actors(settings_for(args, "megatron", tp, sequence_parallel))
+            show(await measure(name, ActorGroup(actors), model_dir, args))
+            stop_actors(actors)
     ray.shutdown()
 
 
@@ -128,4 +135,6 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--skip-torch", action="store_true", help="only the Megatron backend")
+    parser.add_argument("--sequence-parallel", choices=["on", "off", "both"], default="on",
+                        help="at TP>1: with sequence parallelism, without, or both")  # fmt: skip
     asyncio.run(main(parser.parse_args()))

@@ -127,6 +127,8 @@ def test_per_tenant_mode_gives_the_engine_room_for_every_tenants_adapter(
         ((*PER_TENANT[:3],), "trainer.settings.lora.enabled true"),
         ((*PER_TENANT, "policyEngine.lora.maxLoadedLoras=4"),
          "maxLoadedLoras (4) must be at least maxLorasPerBatch (8)"),
+        ((*PER_TENANT, "policyEngine.lora.maxLoadedLoras=9"),
+         "maxLoadedLoras (9) must be at least 10 in per_tenant mode: 8 tenants' adapters"),
         (("tenants.allow={../x}",), "/tenants/allow/0"),
         (("tenants.mode=everyone",), "/tenants/mode"),
         (("redis.cluster=true",), "the internal Redis is a single node"),

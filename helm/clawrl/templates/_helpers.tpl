@@ -279,14 +279,19 @@ imagePullSecrets:
 {{- /* Per tenant, one adapter per tenant and the shared one, and during a sync the new version of one beside the old. */}}
 {{- $loaded := $v.lora.maxLoadedLoras }}
 {{- $t := $root.Values.tenants }}
-{{- if and (not $loaded) (eq $t.mode "per_tenant") }}
+{{- $perTenant := eq $t.mode "per_tenant" }}
 {{- /* An allow-list alone names every tenant that can own an adapter. */}}
 {{- $owners := ternary (min (len $t.allow) $t.maxAdapters) $t.maxAdapters (and (gt (len $t.allow) 0) (not $t.pattern)) }}
+{{- if and (not $loaded) $perTenant }}
 {{- $loaded = max (mul 2 (add 1 $owners)) $v.lora.maxLorasPerBatch }}
 {{- end }}
 {{- if $loaded }}
 {{- if lt (int $loaded) (int $v.lora.maxLorasPerBatch) }}
 {{- fail (printf "policyEngine.lora.maxLoadedLoras (%d) must be at least maxLorasPerBatch (%d), as SGLang requires" (int $loaded) (int $v.lora.maxLorasPerBatch)) }}
+{{- end }}
+{{- /* Fewer slots than served adapters: the engine unloads one the launcher reloads, for ever. */}}
+{{- if and $perTenant (lt (int $loaded) (int (add 2 $owners))) }}
+{{- fail (printf "policyEngine.lora.maxLoadedLoras (%d) must be at least %d in per_tenant mode: %d tenants' adapters, the shared one, and a new version during a sync (or leave it null)" (int $loaded) (int (add 2 $owners)) (int $owners)) }}
 {{- end }}
 {{- $_ := set (get $settings "engine") "max_loaded_loras" (int $loaded) }}
 {{- end }}
