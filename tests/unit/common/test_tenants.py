@@ -42,7 +42,8 @@ def test_with_keys_off_the_header_then_user_names_it_and_a_bearer_token_does_not
 def test_a_name_that_cannot_name_an_adapter_is_hashed():
     assert named_tenant("team-7.eu_1") == "team-7.eu_1"
     # "shared" is the shared policy's metric label: a user of that name gets an id of its own.
-    for bad in ("../etc", "a b", "x" * 49, "ünï", "shared"):
+    # A tenant id is also a Kubernetes label value: alphanumeric at both ends.
+    for bad in ("../etc", "a b", "x" * 49, "ünï", "shared", "bob-", "bob."):
         hashed = named_tenant(bad)
         assert hashed.startswith("u") and len(hashed) == 17 and hashed == named_tenant(bad)
 

@@ -68,6 +68,20 @@ def test_the_job_of_a_lora_version_names_its_adapter():
         "run", "--version", "12", "--path", "/ckpt/policy/v12",
         "--job-id", "clawrl-weight-sync-v12-a1b2c3", "--adapter", "policy-v12",
     ]  # fmt: skip
+    assert "clawrl.io/tenant" not in job["metadata"]["labels"]  # the shared policy's
+
+
+def test_the_job_of_a_tenants_adapter_is_labelled_with_the_tenant():
+    ready = VersionReady(version=3, path="/ckpt/tenants/team-7.eu/v3", step=40, created_at=0.0,
+                         adapter="tenant-team-7.eu-v3", tenant="team-7.eu")  # fmt: skip
+    job = build_job(TEMPLATE, ready, timeout_s=900, suffix="a1b2c3")
+    for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+        assert meta["labels"]["clawrl.io/tenant"] == "team-7.eu"  # kubectl get jobs -l ...
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == [
+        "--tenant",
+        "team-7.eu",
+    ]
+    kubernetes_validate.validate(job, "1.30.0", strict=True)
 
 
 def test_names_fit_kubernetes_limits():

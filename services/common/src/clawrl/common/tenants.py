@@ -23,8 +23,10 @@ from clawrl.common.settings import Section
 
 TenantMode = Literal["shared", "per_tenant"]
 SHARED = ""  # the tenant of a caller the gateway cannot tell apart, and of the shared policy
-# A tenant id names adapters, directories and metric labels: short, no separators of paths.
-TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
+# A tenant id names adapters, directories, metric labels and Kubernetes label values: short, no
+# separators of paths, alphanumeric at both ends.
+_ID = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,46}[A-Za-z0-9])?"
+TENANT_ID = re.compile(_ID)
 # The `tenant` label of the shared policy's series (its tenant id is ""; an empty label value is
 # no label to Prometheus): no tenant may take it as its id.
 SHARED_LABEL = "shared"
@@ -34,7 +36,7 @@ def is_tenant_id(name: str) -> bool:
     return TENANT_ID.fullmatch(name) is not None and name != SHARED_LABEL
 
 
-ADAPTER = re.compile(r"tenant-(?P<tenant>[A-Za-z0-9][A-Za-z0-9_.-]{0,47})-v(?P<version>[0-9]+)")
+ADAPTER = re.compile(rf"tenant-(?P<tenant>{_ID})-v(?P<version>[0-9]+)")
 
 
 class TenantSettings(Section):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from clawrl.common import redis_client
-from clawrl.common.tenants import SHARED, TENANT_ID, TenantSettings
+from clawrl.common.tenants import SHARED, TENANT_ID, TenantSettings, is_tenant_id
 from clawrl.trainer.checkpoints import CheckpointStore, TrainerState
 from clawrl.trainer.settings import TrainerSettings
 
@@ -136,7 +136,7 @@ def request_reset(settings: TrainerSettings, tenant: str) -> str:
     """Ask the trainer to reset `tenant`'s adapter to the shared policy; the entry id."""
     if not settings.tenants.per_tenant:
         raise TenantCommandError("tenants.mode is shared: no tenant has an adapter to reset")
-    if not TENANT_ID.fullmatch(tenant):
+    if not is_tenant_id(tenant):
         raise TenantCommandError(f"{tenant!r} is not a tenant id ({TENANT_ID.pattern})")
 
     async def add() -> str:

@@ -7,8 +7,9 @@ container named `weight-sync` that runs the `clawrl-weight-sync` entrypoint (tra
 the sync settings as `CLAWRL_*` env (gateways.service, engines.service, redis.url, tokens from
 Secrets). `metadata.name` (or `generateName`) is used as the name prefix. For each version the
 launcher adds: the name `<prefix>-v<N>-<suffix>`, labels `app.kubernetes.io/component:
-weight-sync` and `clawrl.io/policy-version: N` (Job and pod), the container args `run --version N
---path <checkpoint> --job-id <name>`, and, where the template leaves them unset, `backoffLimit: 0`
+weight-sync`, `clawrl.io/policy-version: N` and, for a tenant's adapter, `clawrl.io/tenant: <id>`
+(Job and pod), the container args `run --version N --path <checkpoint> --job-id <name>` (and
+`--adapter`, `--tenant`), and, where the template leaves them unset, `backoffLimit: 0`
 (retries are the launcher's, newest version first), `restartPolicy: Never`,
 `activeDeadlineSeconds` (launcher.job_timeout_s) and `ttlSecondsAfterFinished: 600`. The
 launcher's service account needs `create`, `get` and `delete` on `jobs` in the namespace.
@@ -60,6 +61,8 @@ def build_job(
         "app.kubernetes.io/component": "weight-sync",
         "clawrl.io/policy-version": str(ready.version),
     }
+    if ready.tenant:  # a tenant id is a valid label value (clawrl.common.tenants.TENANT_ID)
+        labels["clawrl.io/tenant"] = ready.tenant
     meta.setdefault("labels", {}).update(labels)
     spec = job.setdefault("spec", {})
     spec.setdefault("backoffLimit", 0)
