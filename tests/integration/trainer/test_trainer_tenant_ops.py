@@ -73,10 +73,19 @@ async def test_resume_reannounces_and_reset_and_export_work(
     def cli(*argv: str):  # in a thread, as in a process of its own: it runs its own loop
         return asyncio.to_thread(main, ["tenants", *argv, *flags])
 
+    # Asked while the trainer waits for samples (none arrive), it is applied all the same: the
+    # reset version's announcement is the next entry of the tenants' versions stream.
+    [(last, _)] = await redis.xrevrange(stream, count=1)
+    stop = asyncio.Event()
+    running = asyncio.create_task(trainer.run(stop))
     await cli("reset", "alice")
     await cli("reset", "zed")  # no adapter of its own: counted, nothing done
     assert "reset of tenant alice requested" in capsys.readouterr().out
-    await trainer.apply_resets()
+    async with asyncio.timeout(60):
+        while not await redis.xread({stream: last}, block=1000):
+            pass
+    stop.set()
+    await running
     assert trainer.state.tenant_versions["alice"] == 3
     assert same(weights(policies / "tenant-alice" / "v3"), shared_v1)
     assert (await announced(redis, stream))[-1] == ("alice", 3, "tenant-alice-v3")

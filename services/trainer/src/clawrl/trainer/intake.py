@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -151,18 +151,20 @@ class Intake:
         uncommitted: set[str],
         stop: asyncio.Event,
         block_ms: int = 1000,
+        between_reads: Callable[[], Awaitable[None]] | None = None,
     ) -> Collected | None:
         """A batch of `batch_size` trainable samples (fewer beside a sample a step lost the
         backend with), or None when `stop` is set first (what was read then stays pending).
         `trained(id)`: the id is in a durable state; `uncommitted`: ids trained in steps not
-        durable yet."""
+        durable yet. Per tenant, `between_reads` runs before each read while no adapter has a
+        batch (the trainer's resets: a quiet stream must not hold them back)."""
         if self._backlog is None:
             self._backlog = await self.consumer.read_own_pending(count=100_000)
             if self._backlog:
                 log.info("taking back %d pending entries of a previous run", len(self._backlog))
         if self.queues is not None:
             return await self._next_tenant_batch(
-                self.queues, policy_version, trained, uncommitted, stop, block_ms
+                self.queues, policy_version, trained, uncommitted, stop, block_ms, between_reads
             )
         collected = Collected()
         in_batch: set[str] = set()
@@ -204,12 +206,15 @@ class Intake:
         uncommitted: set[str],
         stop: asyncio.Event,
         block_ms: int,
+        between_reads: Callable[[], Awaitable[None]] | None,
     ) -> Collected | None:
         """The next adapter's batch in the queues' fair order, reading until one is full."""
         ack_with_step: list[str] = []
         while (ready := queues.pop_ready()) is None:
             if stop.is_set():
                 return None
+            if between_reads is not None:
+                await between_reads()
             if self._backlog:
                 entries = self._backlog[: self.batch_size]
                 self._backlog = self._backlog[self.batch_size :]

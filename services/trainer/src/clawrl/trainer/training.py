@@ -15,8 +15,9 @@ step trains that adapter alone, every sync_interval steps of it exports it (a te
 policy/tenant-T/vN, announced as `tenant-T-vN` on the tenants' versions stream), and the same
 state holds every adapter, so exactly-once is the same for all. A resume re-announces each
 tenant's newest version that its stream lacks. `clawrl-trainer tenants reset T` is applied
-before the next step (apply_resets): T's adapter becomes a copy of the shared policy's and is
-exported and announced as T's next version at once.
+before the next step, or within a read (consumer.block_ms) while no batch is ready
+(apply_resets): T's adapter becomes a copy of the shared policy's and is exported and announced
+as T's next version at once.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class Trainer:
             collected = await self.intake.next_batch(
                 current, self.trained.__contains__, self.uncommitted, stop,
                 block_ms=self.settings.consumer.block_ms,
+                between_reads=self.apply_resets if self.intake.queues is not None else None,
             )  # fmt: skip
             if collected is None:
                 break
