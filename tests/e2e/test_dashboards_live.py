@@ -188,9 +188,14 @@ def test_every_panel_query_evaluates_and_busy_panels_have_data(stack: dict[str, 
     assert not failures, "\n".join(failures)
 
     # The alerts: silent while the loop turns (a stall may rightly show for a moment: samples
-    # short of a batch wait for the next turns).
+    # short of a batch wait for the next turns). Their `for` is not applied here, so one scrape
+    # that timed out on a loaded host shows as a target down until the next: wait that out.
     alerts = chart_alerts()
-    assert not firing(prom, alerts) - {"ClawrlTrainerStalled"}
+    seen_running: list[set[str]] = []
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not seen_running.append(firing(prom, alerts) - {"ClawrlTrainerStalled"})
+                   and not seen_running[-1], 30, "the alerts silent")  # fmt: skip
+    assert not seen_running[-1], seen_running
     # The trainer stops (SIGSTOP: its /metrics stops answering) while turns keep coming: the
     # judges publish samples nobody trains on.
     trainer = listener(stack["trainer-metrics"])

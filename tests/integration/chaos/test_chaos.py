@@ -13,9 +13,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_judge_trainer_and_launcher_killed_under_load(tmp_path):
+    # settle_s: the wait for everything to converge ends as soon as it has; a loaded host
+    # restarting the trainer's Ray runtime may need minutes.
     plan = Plan(seed=0, sessions=4, turns=3, concurrency=2, think_s=(0.5, 1.5), batch_size=2,
                 judge_kills=1, trainer_kills=1, launcher_kills=1, gap_s=(0.5, 1.0),
-                settle_s=90)  # fmt: skip
+                settle_s=240)  # fmt: skip
     tallies, problems = run(tmp_path, plan)
     print(tallies)
     assert problems == [], tallies
