@@ -41,7 +41,7 @@ def in_background(fn):
     return thread, result
 
 
-def wait_for(predicate, timeout_s=10.0):
+def wait_for(predicate, timeout_s=30.0):  # generous: a loaded host is slow to get there
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -59,14 +59,21 @@ def test_pause_holds_requests_until_resume_with_new_version(gateway, session_id)
 
 def _pause_and_resume(gateway, control, session_id):
     if True:
-        # A long generation is in flight when Pause arrives: Pause waits for it.
+        # A long generation is in flight when Pause arrives: Pause waits for it. Seconds long
+        # (greedy: the random model never ends early), so a poller on a loaded host sees it run.
         long_call, long_result = in_background(
-            lambda: gateway.chat(
-                [user("write a lot")], max_tokens=150, headers={"X-Turn-Type": "side"}
+            lambda: httpx.post(
+                f"{gateway.base_url}/chat/completions",
+                json={"messages": [user("write a lot")], "max_tokens": 2000, "temperature": 0},
+                headers={"X-Turn-Type": "side"},
+                timeout=300,  # a loaded host makes it several times slower
             )
         )
         wait_for(lambda: control.GetStatus(control_pb2.GetStatusRequest()).in_flight == 1)
-        paused = control.Pause(control_pb2.PauseRequest(drain_timeout_s=30, reason="test"))
+        # Drain and lease far beyond the generation, however slow: only Resume ends this pause.
+        paused = control.Pause(
+            control_pb2.PauseRequest(drain_timeout_s=300, lease_s=600, reason="test")
+        )
         assert paused.drained and paused.in_flight == 0 and paused.status.paused
         long_call.join()
         assert long_result["value"].status_code == 200
@@ -164,9 +171,11 @@ def test_pause_lease_expires_renews_and_refuses_another_holder(gateway):
         try:
             expiries = gateway.metric("clawrl_gateway_pause_lease_expiries_total")
             version = control.GetStatus(control_pb2.GetStatusRequest()).policy_version
-            paused = control.Pause(control_pb2.PauseRequest(lease_s=1.0, holder="sync-1"))
+            # Leases seconds longer than a renewal's interval: a loaded host delays renewals.
+            lease_s = 3.0
+            paused = control.Pause(control_pb2.PauseRequest(lease_s=lease_s, holder="sync-1"))
             assert paused.status.paused and paused.status.holder == "sync-1"
-            assert 0 < paused.status.lease_remaining_s <= 1.0
+            assert 0 < paused.status.lease_remaining_s <= lease_s
             with pytest.raises(grpc.RpcError) as info:
                 control.Pause(control_pb2.PauseRequest(lease_s=5, holder="sync-2"))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -174,18 +183,22 @@ def test_pause_lease_expires_renews_and_refuses_another_holder(gateway):
             with pytest.raises(grpc.RpcError) as info:
                 control.Pause(control_pb2.PauseRequest(lease_s=-1, holder="sync-1"))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            # The holder renews twice, past the first lease's end: still paused.
-            for _ in range(2):
-                time.sleep(0.6)
-                renewed = control.Pause(control_pb2.PauseRequest(lease_s=1.0, holder="sync-1"))
-                assert renewed.status.paused and renewed.status.paused_for_s > 0.5
-            # A request arrives, then the holder goes silent: the lease ends the pause and the
-            # request is served on the version from before.
+            # The holder renews, past the first lease's end: still the same pause.
+            for _ in range(4):
+                time.sleep(0.8)
+                renewed = control.Pause(control_pb2.PauseRequest(lease_s=lease_s, holder="sync-1"))
+                assert renewed.status.paused
+            assert renewed.status.paused_for_s > lease_s
+            # A request arrives (held under a long lease, however slowly it gets there), then the
+            # holder renews for 1 s and goes silent: the lease ends the pause and the request is
+            # served on the version from before.
+            control.Pause(control_pb2.PauseRequest(lease_s=60, holder="sync-1"))
             held_call, held_result = in_background(
                 lambda: gateway.chat([user("held")], headers={"X-Turn-Type": "side"})
             )
             wait_for(lambda: control.GetStatus(control_pb2.GetStatusRequest()).held == 1)
-            wait_for(lambda: not control.GetStatus(control_pb2.GetStatusRequest()).paused, 5)
+            control.Pause(control_pb2.PauseRequest(lease_s=1.0, holder="sync-1"))
+            wait_for(lambda: not control.GetStatus(control_pb2.GetStatusRequest()).paused, 15)
             held_call.join(timeout=30)
             assert held_result["value"].status_code == 200
             status = control.GetStatus(control_pb2.GetStatusRequest())

@@ -200,7 +200,7 @@ def test_sigkill_after_pause_leaves_no_gateway_paused_past_the_lease(replicas, s
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     hanging = f"http://127.0.0.1:{server.server_address[1]}"
-    lease_s = 1.5
+    lease_s = 3.0  # renewed every 1 s: seconds of slack for a job slowed by a loaded host
     env = {**sync_env, "CLAWRL_SYNC__LOCK_TTL_S": "60", "CLAWRL_GATEWAYS__LEASE_S": str(lease_s)}
     expiries = [r.metric("clawrl_gateway_pause_lease_expiries_total") for r in replicas]
     job_log = tmp_path / "job.log"
@@ -210,18 +210,19 @@ def test_sigkill_after_pause_leaves_no_gateway_paused_past_the_lease(replicas, s
         env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=job_log.open("w"),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not all(r.status().holder == "job-killed" for r in replicas):
             assert time.monotonic() < deadline and job.poll() is None, job_log.read_text()
             time.sleep(0.02)
         # Renewals keep the pause past one lease while the job lives.
-        time.sleep(lease_s * 1.5)
+        time.sleep(lease_s + 0.5)
         assert all(r.status().paused for r in replicas)
         job.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         job.wait()
+        # Slack for a loaded host, still far short of the gateways' default lease (30 s).
         while any(r.status().paused for r in replicas):
-            assert time.monotonic() - killed_at < lease_s + 2.0, "a gateway stayed paused"
+            assert time.monotonic() - killed_at < lease_s + 10.0, "a gateway stayed paused"
             time.sleep(0.02)
         # The dead job's lock outlives it (until its TTL): a second sync is kept out.
         busy = run_sync(env, replicas, [hanging], "run", "--version", "3", "--path", "/nowhere")
@@ -346,8 +347,10 @@ def test_a_sync_retracts_a_long_generation_which_completes_on_the_new_weights(
     result = sync_in_process(sync_env, replicas, [engine], new, checkpoints["v2"])
     assert long.is_alive(), "the generation ended before the sync: it proves nothing"
     assert result.outcome == "ok" and result.retracted == 1, result
-    assert BUDGET_S <= result.drain_s < BUDGET_S + 0.5, result
-    assert result.pause_s < result.drain_s + result.load_s + 1.0, result
+    # Margins for a loaded host; that the pause did not wait for the generation is shown by
+    # the generation still running after the sync.
+    assert BUDGET_S <= result.drain_s < BUDGET_S + 3.0, result
+    assert result.pause_s < result.drain_s + result.load_s + 5.0, result
     assert "1 generation(s) retracted" in result.summary()
     long.join(timeout=600)
     # A whole reply names the version that finished it; a stream's chunks name the weights of

@@ -94,18 +94,19 @@ async def test_lease_expiry_resumes_on_the_current_version_and_is_counted():
 
 async def test_same_holder_renews_the_lease_another_holder_is_refused():
     gate = make_gate()
-    await gate.pause(1, lease_s=0.15, holder="sync-a")
-    for _ in range(4):  # 0.4 s in all, well past one lease: renewals keep it paused
+    # A lease well beyond the renewal interval: a loaded host delays the loop's timers.
+    await gate.pause(1, lease_s=0.5, holder="sync-a")
+    for _ in range(8):  # 0.8 s in all, well past one lease: renewals keep it paused
         await asyncio.sleep(0.1)
         assert gate.paused
-        await gate.pause(1, lease_s=0.15, holder="sync-a")
+        await gate.pause(1, lease_s=0.5, holder="sync-a")
     with pytest.raises(PauseHeld, match="sync-a"):
         await gate.pause(1, lease_s=5, holder="sync-b")
     assert gate.holder == "sync-a" and metric(gate, "clawrl_gateway_pause_refusals_total") == 1
     assert metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 0
     gate.resume(9)
-    # The resumed gate's old lease timer is gone: nothing expires later.
-    await asyncio.sleep(0.2)
+    # The resumed gate's old lease timer is gone: nothing expires later (past its end).
+    await asyncio.sleep(0.6)
     assert (
         metric(gate, "clawrl_gateway_pause_lease_expiries_total") == 0 and gate.policy_version == 9
     )
