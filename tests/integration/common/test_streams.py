@@ -60,7 +60,10 @@ async def test_a_dead_consumers_entries_are_claimed_by_a_live_one(redis: Redis):
     await dead.ensure_group()
     await fill(redis, stream, 2)
     assert len(await dead.read(10, block_ms=10)) == 2  # and never acknowledged
-    assert await live.read(10, block_ms=10) == []  # not idle long enough yet
+    # Not idle long enough yet: checked with a long claim_idle_ms, as a loaded host can take
+    # longer than 50 ms between the two reads.
+    patient = consumer(redis, stream, "patient", claim_idle_ms=5_000)
+    assert await patient.read(10, block_ms=10) == []
     await asyncio.sleep(0.1)
     taken = await live.read(10, block_ms=10)
     assert [e.record_id for e in taken] == ["s:0", "s:1"]
@@ -192,8 +195,9 @@ async def test_a_consumer_never_claims_what_it_still_holds(redis: Redis) -> None
     [again] = await c.read(1, block_ms=10)
     assert (again.entry_id, again.deliveries) == (held.entry_id, 2)
     # A live consumer's entries are not another's to take while they are fresh; a dead one's are.
+    # (Fresh checked with a long claim_idle_ms: a loaded host can take 20 ms between reads.)
+    assert await consumer(redis, stream, "patient", claim_idle_ms=5_000).read(1, block_ms=10) == []
     other = consumer(redis, stream, "other", claim_idle_ms=20)
-    assert await other.read(1, block_ms=10) == []
     await asyncio.sleep(0.05)
     [taken] = await other.read(1, block_ms=10)
     assert (taken.entry_id, taken.deliveries) == (held.entry_id, 3)

@@ -205,7 +205,11 @@ def test_pause_in_place_holds_requests_until_continue(url):
             target=lambda: result.update(greedy(url, max_new_tokens=3, text=PROMPT))
         )
         worker.start()
-        time.sleep(1.0)
+        # Queued (waited for: a loaded host may be slow to send it), then held there.
+        deadline = time.monotonic() + 30
+        while metric(url, "sglang:num_queue_reqs") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # 3 tokens take far less when not paused
         assert not result
         assert metric(url, "sglang:num_queue_reqs") == 1
         assert httpx.get(f"{url}/health_generate").status_code == 200  # no probe while paused

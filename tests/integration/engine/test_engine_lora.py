@@ -227,6 +227,11 @@ def test_the_prefix_cache_never_shares_kv_across_adapters(url, adapters):
     unload(url, "a3")
 
 
+def served(url: str) -> list[str]:
+    """The model ids /v1/models lists (the base, then the registered adapters)."""
+    return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"]]
+
+
 def test_unload_waits_for_the_running_request_and_a_new_one_reloads_after_it(url, adapters):
     assert load(url, "a3", adapters["a3"]).status_code == 200
     events: list = []
@@ -255,7 +260,12 @@ def test_unload_waits_for_the_running_request_and_a_new_one_reloads_after_it(url
         target=lambda: unloaded.append((unload(url, "a3"), time.monotonic()))
     )
     unloader.start()
-    time.sleep(0.3)
+    # Until the engine took the unload (a3 leaves the registry at once, then the unload waits):
+    # on a loaded host the late request could otherwise arrive first and use a3 as loaded.
+    deadline = time.monotonic() + 30
+    while "a3" in served(url):
+        assert time.monotonic() < deadline, "the unload never reached the engine"
+        time.sleep(0.02)
     # A request naming a3 meanwhile waits for the unload, then loads a3 again (SGLang's order).
     late = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "a3"})
     late_at = time.monotonic()

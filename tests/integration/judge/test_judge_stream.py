@@ -10,6 +10,8 @@ import io
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 import pytest
@@ -40,6 +42,31 @@ BANANA = {"reward_fn": ENDS_WITH, "reward_fn_args": {"word": "banana"}}
 @pytest.fixture
 def url(redis_url: str) -> str:
     return redis_url
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> bool:
+    """Whether `check` holds within `timeout_s` (generous: a loaded host is slow)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def consumed(redis: Redis, settings) -> Callable[[], Awaitable[bool]]:
+    """Every turn read by the judges' group and acknowledged (nothing new, nothing pending)."""
+
+    async def check() -> bool:
+        groups = await redis.xinfo_groups(settings.redis.turns_stream)
+        return any(
+            g["name"] in (settings.workers.group, settings.workers.group.encode())
+            and g["lag"] == 0
+            and g["pending"] == 0
+            for g in groups
+        )
+
+    return check
 
 
 async def test_rl_reward_fn_samples_are_exact_copies_of_their_turns(redis: Redis, url) -> None:
@@ -126,8 +153,8 @@ async def test_redelivered_turn_yields_no_second_sample(redis: Redis, url) -> No
         assert len(await wait_samples(redis, settings, 1)) == 1
         # The same turn again (a gateway retry, or a redelivery after a crash).
         await put_turns(redis, settings, [turn, turn])
-        await asyncio.sleep(1.0)
-        assert await pending(redis, settings) == 0
+        # Both read and acknowledged: a sample is committed with its ack, so none can follow.
+        assert await eventually(consumed(redis, settings))
     assert [s.sample_id for s in await samples(redis, settings)] == ["dup:0"]
 
 
@@ -148,8 +175,7 @@ async def test_malformed_turns_are_dead_lettered_with_their_reason(redis: Redis,
     await put_turns(redis, settings, [good])
     async with running(settings, serve=False):
         assert [s.sample_id for s in await wait_samples(redis, settings, 1)] == ["good:0"]
-        await asyncio.sleep(0.3)
-        assert await pending(redis, settings) == 0
+        assert await eventually(consumed(redis, settings))
     dead = await redis.xrange(settings.redis.deadletter_stream)
     reasons = {f[b"id"].decode(): f[b"reason"].decode() for _, f in dead}
     assert set(reasons) == {"junk:0", "odd:0", "bad:0", "bad:1"}
@@ -233,7 +259,11 @@ async def test_export_holds_every_judgement(redis: Redis, url, tmp_path) -> None
     await redis.xadd(settings.redis.turns_stream, encode_entry(bad))
     async with running(settings, serve=False):
         await wait_samples(redis, settings, 2)
-        await asyncio.sleep(0.3)
+
+        async def audited() -> bool:  # the dead-lettered turn's record comes after its ack
+            return await redis.xlen(settings.audit.stream) >= 3
+
+        assert await eventually(audited)
     out = io.BytesIO()
     assert await export(redis, settings.audit.stream, out) == 3
     records = {r["turn_id"]: r for r in map(orjson.loads, out.getvalue().splitlines())}

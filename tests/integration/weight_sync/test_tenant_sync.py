@@ -114,6 +114,10 @@ class Users(threading.Thread):
     def versions(self, user: str) -> list[str]:
         return [fingerprint for who, _, fingerprint in self.answers if who == user]
 
+    def wait_for(self, user: str, fingerprint: str) -> None:
+        """Until `user`'s latest answer came from `fingerprint` (a loaded host is slow to ask)."""
+        wait_until(lambda: self.versions(user)[-1:] == [fingerprint], 30, f"{user}: {fingerprint}")
+
 
 def sync(env, gateways, engine, name: str, path: Path, *extra: str):
     version = name.rsplit("-v", 1)[1]
@@ -135,17 +139,20 @@ def test_a_tenant_sync_switches_that_tenant_alone_with_no_pause(
     pauses = [g.metric("clawrl_gateway_pauses_total") for g in gateways]
     users = Users(gateways, ("alice", "bob", "carol"))
     users.start()
-    time.sleep(0.5)
-    first = sync(env, gateways, lora_engine, "tenant-alice-v1", adapters["tenant-alice-v1"])
-    time.sleep(0.5)
-    # The tenant given explicitly, as the launcher does.
-    second = sync(env, gateways, lora_engine, "tenant-alice-v2", adapters["tenant-alice-v2"],
-                  "--tenant", "alice")  # fmt: skip
-    time.sleep(0.5)
-    users.stop.set()
-    users.join(timeout=60)
-    assert first.returncode == 0, first.stderr
-    assert second.returncode == 0, second.stderr
+    try:
+        # Each version answers alice at least once: before, between and after the syncs.
+        users.wait_for("alice", "clawrl-policy-v5")
+        first = sync(env, gateways, lora_engine, "tenant-alice-v1", adapters["tenant-alice-v1"])
+        assert first.returncode == 0, first.stderr
+        users.wait_for("alice", "clawrl-policy-v1")
+        # The tenant given explicitly, as the launcher does.
+        second = sync(env, gateways, lora_engine, "tenant-alice-v2", adapters["tenant-alice-v2"],
+                      "--tenant", "alice")  # fmt: skip
+        assert second.returncode == 0, second.stderr
+        users.wait_for("alice", "clawrl-policy-v2")
+    finally:
+        users.stop.set()
+        users.join(timeout=60)
     assert "(adapter tenant-alice-v2 of tenant alice): ok; no pause" in second.stderr
     assert [g.metric("clawrl_gateway_pauses_total") for g in gateways] == pauses
     for gateway in gateways:
