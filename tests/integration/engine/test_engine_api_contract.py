@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import wait_until
+
 from .helpers import TIMEOUT, generate, greedy, metric, stream_events
 
 pytestmark = pytest.mark.integration
@@ -206,9 +208,7 @@ def test_pause_in_place_holds_requests_until_continue(url):
         )
         worker.start()
         # Queued (waited for: a loaded host may be slow to send it), then held there.
-        deadline = time.monotonic() + 30
-        while metric(url, "sglang:num_queue_reqs") < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: metric(url, "sglang:num_queue_reqs") >= 1, 30, "the request queued")
         time.sleep(0.5)  # 3 tokens take far less when not paused
         assert not result
         assert metric(url, "sglang:num_queue_reqs") == 1

@@ -19,6 +19,7 @@ import torch
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 from clawrl.common.sglang_client import EngineRequestError, SGLangClient
+from tests.conftest import wait_until
 
 from .helpers import TIMEOUT, greedy, metric
 from .lora_adapters import make_adapter
@@ -262,10 +263,7 @@ def test_unload_waits_for_the_running_request_and_a_new_one_reloads_after_it(url
     unloader.start()
     # Until the engine took the unload (a3 leaves the registry at once, then the unload waits):
     # on a loaded host the late request could otherwise arrive first and use a3 as loaded.
-    deadline = time.monotonic() + 30
-    while "a3" in served(url):
-        assert time.monotonic() < deadline, "the unload never reached the engine"
-        time.sleep(0.02)
+    wait_until(lambda: "a3" not in served(url), 30, "the unload reaching the engine")
     # A request naming a3 meanwhile waits for the unload, then loads a3 again (SGLang's order).
     late = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "a3"})
     late_at = time.monotonic()

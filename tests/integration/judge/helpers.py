@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -111,3 +112,28 @@ async def wait_samples(
 async def pending(redis: Redis, settings: JudgeSettings) -> int:
     summary = await redis.xpending(settings.redis.turns_stream, settings.workers.group)
     return int(summary["pending"])
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> bool:
+    """Whether `check` holds within `timeout_s` (generous: a loaded host is slow)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def consumed(redis: Redis, settings: JudgeSettings) -> Callable[[], Awaitable[bool]]:
+    """Every turn read by the judges' group and acknowledged (nothing new, nothing pending)."""
+
+    async def check() -> bool:
+        groups = await redis.xinfo_groups(settings.redis.turns_stream)
+        return any(
+            g["name"] in (settings.workers.group, settings.workers.group.encode())
+            and g["lag"] == 0
+            and g["pending"] == 0
+            for g in groups
+        )
+
+    return check

@@ -10,8 +10,6 @@ import io
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 
 import orjson
 import pytest
@@ -23,6 +21,8 @@ from clawrl.judge.audit import export
 from clawrl.judge.service import running
 
 from .helpers import (
+    consumed,
+    eventually,
     judge_settings,
     make_turn,
     pending,
@@ -42,31 +42,6 @@ BANANA = {"reward_fn": ENDS_WITH, "reward_fn_args": {"word": "banana"}}
 @pytest.fixture
 def url(redis_url: str) -> str:
     return redis_url
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> bool:
-    """Whether `check` holds within `timeout_s` (generous: a loaded host is slow)."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
-def consumed(redis: Redis, settings) -> Callable[[], Awaitable[bool]]:
-    """Every turn read by the judges' group and acknowledged (nothing new, nothing pending)."""
-
-    async def check() -> bool:
-        groups = await redis.xinfo_groups(settings.redis.turns_stream)
-        return any(
-            g["name"] in (settings.workers.group, settings.workers.group.encode())
-            and g["lag"] == 0
-            and g["pending"] == 0
-            for g in groups
-        )
-
-    return check
 
 
 async def test_rl_reward_fn_samples_are_exact_copies_of_their_turns(redis: Redis, url) -> None:

@@ -27,6 +27,7 @@ SHARED = ""  # the tenant of a caller the gateway cannot tell apart, and of the 
 # separators of paths, alphanumeric at both ends.
 _ID = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,46}[A-Za-z0-9])?"
 TENANT_ID = re.compile(_ID)
+ADAPTER = re.compile(rf"tenant-(?P<tenant>{_ID})-v(?P<version>[0-9]+)")
 # The `tenant` label of the shared policy's series (its tenant id is ""; an empty label value is
 # no label to Prometheus): no tenant may take it as its id.
 SHARED_LABEL = "shared"
@@ -34,9 +35,6 @@ SHARED_LABEL = "shared"
 
 def is_tenant_id(name: str) -> bool:
     return TENANT_ID.fullmatch(name) is not None and name != SHARED_LABEL
-
-
-ADAPTER = re.compile(rf"tenant-(?P<tenant>{_ID})-v(?P<version>[0-9]+)")
 
 
 class TenantSettings(Section):

@@ -156,8 +156,8 @@ class Intake:
         """A batch of `batch_size` trainable samples (fewer beside a sample a step lost the
         backend with), or None when `stop` is set first (what was read then stays pending).
         `trained(id)`: the id is in a durable state; `uncommitted`: ids trained in steps not
-        durable yet. Per tenant, `between_reads` runs before each read while no adapter has a
-        batch (the trainer's resets: a quiet stream must not hold them back)."""
+        durable yet. Per tenant, `between_reads` runs before each look for a ready batch (the
+        trainer's resets: before the next step, and a quiet stream must not hold them back)."""
         if self._backlog is None:
             self._backlog = await self.consumer.read_own_pending(count=100_000)
             if self._backlog:
@@ -210,11 +210,13 @@ class Intake:
     ) -> Collected | None:
         """The next adapter's batch in the queues' fair order, reading until one is full."""
         ack_with_step: list[str] = []
-        while (ready := queues.pop_ready()) is None:
-            if stop.is_set():
-                return None
+        while True:
             if between_reads is not None:
                 await between_reads()
+            if (ready := queues.pop_ready()) is not None:
+                break
+            if stop.is_set():
+                return None
             if self._backlog:
                 entries = self._backlog[: self.batch_size]
                 self._backlog = self._backlog[self.batch_size :]

@@ -172,8 +172,6 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
         while not stop.is_set():
-            if self.intake.queues is not None:
-                await self.apply_resets()
             current = self.state.policy_version if self.intake.queues is None else self._version_of
             collected = await self.intake.next_batch(
                 current, self.trained.__contains__, self.uncommitted, stop,
