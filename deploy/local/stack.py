@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +53,55 @@ RESTARTS = 3
 SGLANG_KV_TOKENS = 32768
 # Written by scripts/setup-sglang.sh once the venv is complete.
 SGLANG_STAMP = ".clawrl-sglang-stamp"
+
+
+# The signals that stop the stack (SIGHUP: the terminal closed; the processes, in their own
+# sessions, would not get it).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with(parent_pid: int):
+    """A preexec_fn: the child is SIGKILLed when the process that launched it dies, so a
+    stack.py killed outright (or crashed) leaves no service running; the trainer's Ray runtime
+    goes with the trainer (its reaper). Runs in the child between fork and exec."""
+
+    def preexec() -> None:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def stop_on_signals() -> None:
+    """SIGTERM, SIGHUP and SIGINT stop the stack like Ctrl-C: the first one raises
+    KeyboardInterrupt, and every later one is ignored (a second TERM from a supervisor or an
+    impatient second Ctrl-C would otherwise abort the stop halfway and orphan the rest)."""
+
+    def first_stop_signal(*_) -> None:
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, first_stop_signal)
+
+
+@contextlib.contextmanager
+def stop_signals_ignored():
+    """No stop signal interrupts what runs inside (in the main thread, where Python runs
+    signal handlers); the handlers before are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def port_open(port: int) -> bool:
@@ -116,9 +167,14 @@ class Stack:
         }
         log = self.log_path(name).open("ab")
         # Its own process group: stop() can then reach what it starts (the trainer's Ray
-        # runtime) as well.
+        # runtime) as well; and it dies with stack.py.
         proc = subprocess.Popen(
-            argv, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with(os.getpid()),
         )
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
 
@@ -141,7 +197,12 @@ class Stack:
 
     def stop(self) -> None:
         """SIGTERM to every process; then SIGKILL to what is left of each one's group, once it
-        exited or after stop_timeout_s (a trainer killed mid-step left Ray's processes running)."""
+        exited or after stop_timeout_s (a trainer killed mid-step left Ray's processes running).
+        Stop signals that come meanwhile are ignored: the stop always runs to its end."""
+        with stop_signals_ignored():
+            self.stop_all()
+
+    def stop_all(self) -> None:
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -460,10 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         {"CLAWRL_MODEL__CONTEXT_LENGTH": str(args.context_length)} if args.context_length else {}
     ) | tenant_env(args)
     stack = Stack(redis_url, args.run_dir / "logs", shared)
-    # SIGTERM (from a supervisor or a test) and SIGHUP (the terminal closed: the processes, in
-    # their own sessions, would not get it) stop the stack like Ctrl-C does.
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop_signal, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stop_on_signals()
     try:
         stack.start(
             "redis",
