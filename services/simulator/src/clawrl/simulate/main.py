@@ -28,6 +28,7 @@ from clawrl.common.records import RecordError, decode_entry
 from clawrl.common.redis_client import connect
 from clawrl.common.settings import RedisSettings
 from clawrl.common.tenants import key_tenant
+from clawrl.judge import evaluation as judge_eval
 from clawrl.simulate.evaluation import (
     EvalError,
     HeldOutScore,
@@ -115,6 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the tenants' scenarios, comma-separated (preference: one paragraph; lines: the "
         "opposite taste, points on separate lines)",
     )
+    sim.add_argument(
+        "--remarks",
+        choices=("fixed", "varied"),
+        default="fixed",
+        help="the user's wording: fixed (one remark per verdict, opening with Thanks or Please: "
+        "the judge reward stated_preference reads it) or varied (at least 8 per verdict, drawn "
+        "by --seed; terse ones, questions: the judge reward remark_sentiment reads it)",
+    )
     sim.add_argument("--sessions", type=int, default=20, help="sessions in all (0: no limit)")
     sim.add_argument("--turns", type=int, default=3, help="questions per session")
     sim.add_argument("--concurrency", type=int, default=4, help="sessions at once")
@@ -178,6 +187,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="whose verdict scores the replies: the paragraph user (--scenario preference) or "
         "the lines user (--scenario lines)",
     )
+    judge_eval.add_arguments(commands.add_parser(
+        "judge-eval", help="measure a judge (PRM accuracy, parse rate, hint yield, latency) on "
+        "a labelled set of turns",
+    ))  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "simulate":
         if args.held_out_every < 1:
@@ -343,6 +356,7 @@ def make_users(args: argparse.Namespace, model: str, run_id: str) -> list[User]:
             run_id=f"{run_id}{letter}",
             scenario=scenario,
             label=f"tenant {letter} ({name})" if letter else "",
+            remarks=args.remarks,
         )
         taste = scenario.taste or PARAGRAPH
         prefix = tenant_adapter_prefix(key) if letter else "policy"
@@ -437,7 +451,7 @@ async def evaluate(args: argparse.Namespace) -> int:
     return 0 if complete(found) else 2
 
 
-COMMANDS = {"simulate": simulate, "eval": evaluate}
+COMMANDS = {"simulate": simulate, "eval": evaluate, "judge-eval": judge_eval.run}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """Arithmetic word problems and the scripted user's replies (pure functions).
 
 The user's feedback always names the right number first ("Correct, thanks: the answer is 8." /
-"No, that's wrong, the answer is 8."), so a PRM, a hint and the judge's
-`arithmetic_confirmed` reward all read the same truth from the next state.
+"No, that's wrong, the answer is 8."; with an RNG, one of several wordings, the right number
+still the first), so a PRM, a hint and the judge's `arithmetic_confirmed` reward all read the
+same truth from the next state.
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ TEMPLATES = (
     ("A shelf has {a} rows of {b} books. How many books are on the shelf?", "*"),
 )
 NAMES = ("Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Gus", "Hana")
+
+
+# The varied wordings (`clawrl simulate --remarks varied`); no other number before the answer.
+CORRECT_REMARKS = (
+    "Correct, thanks: the answer is {answer}.",
+    "Yes, {answer} is right.",
+    "Right, it's {answer}. Well done.",
+    "Perfect, {answer}.",
+    "{answer}, exactly.",
+    "That's right, {answer}.",
+    "Great, {answer} is correct.",
+    "Nice work, {answer}.",
+)
+WRONG_REMARKS = (
+    "No, that's wrong, the answer is {answer}.",
+    "Not quite: it's {answer}.",
+    "Nope, {answer}.",
+    "Hmm, I get {answer}. Could you check your working?",
+    "That's not it, the answer is {answer}.",
+    "Wrong, it should be {answer}.",
+    "Can you redo it? It comes to {answer}.",
+    "Are you sure? I make it {answer}.",
+)
 
 
 @dataclass(frozen=True)
@@ -55,14 +79,19 @@ def is_correct(reply: str, problem: Problem) -> bool:
     return final_number(reply) == problem.answer
 
 
-def feedback(reply: str, problem: Problem) -> str:
-    """The user's verdict on a reply, naming the right number first."""
+def feedback(reply: str, problem: Problem, rng: random.Random | None = None) -> str:
+    """The user's verdict on a reply, naming the right number first (with `rng`, in a wording
+    drawn with it)."""
     if is_correct(reply, problem):
-        return f"Correct, thanks: the answer is {problem.answer}."
-    return f"No, that's wrong, the answer is {problem.answer}."
+        wording = rng.choice(CORRECT_REMARKS) if rng else CORRECT_REMARKS[0]
+    else:
+        wording = rng.choice(WRONG_REMARKS) if rng else WRONG_REMARKS[0]
+    return wording.format(answer=problem.answer)
 
 
-def next_message(reply: str, problem: Problem, following: Problem | None) -> str:
+def next_message(
+    reply: str, problem: Problem, following: Problem | None, rng: random.Random | None = None
+) -> str:
     """Verdict on the last reply, then the next question (none at the session's end)."""
-    text = feedback(reply, problem)
+    text = feedback(reply, problem, rng)
     return f"{text} Next question: {following.question}" if following else text

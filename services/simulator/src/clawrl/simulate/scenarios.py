@@ -7,6 +7,9 @@ and its next message (a remark on the reply, then the next question).
   separate lines or a list, never one block of text (same judge reward).
 - `arithmetic`: word problems; the user names the right number ("Correct, thanks: the answer is
   8." / "No, that's wrong, ..."; judge reward: `arithmetic_confirmed`).
+
+`remark(reply, item, following, rng=None)`: the fixed wording, or with the session's RNG one of
+the varied wordings (`clawrl simulate --remarks varied`; the `remark_sentiment` reward reads it).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class Scenario:
     draw: Callable[[random.Random], Any]  # one question (an item the other functions read)
     text: Callable[[Any], str]  # the question as the user writes it
     check: Callable[[str, Any], bool]  # does the reply to the item pass the user's check
-    remark: Callable[[str, Any, Any | None], str]  # next message: verdict, then next question
+    # Next message: the verdict, then the next question; fixed wording, or varied with an RNG.
+    remark: Callable[..., str]
     # The taste the held-out score measures (`clawrl eval`); None: no held-out score.
     taste: preference.Preference | None = None
 
@@ -39,7 +43,9 @@ def open_questions(taste: preference.Preference) -> Scenario:
         draw=questions.training_question,
         text=lambda question: question,
         check=lambda reply, _question: taste.satisfies(reply),
-        remark=lambda reply, _question, following: taste.next_message(reply, following),
+        remark=lambda reply, _question, following, rng=None: taste.next_message(
+            reply, following, rng
+        ),
         taste=taste,
     )
 

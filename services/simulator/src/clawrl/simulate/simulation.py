@@ -32,6 +32,7 @@ class SimulationConfig:
     run_id: str
     scenario: Scenario = PREFERENCE
     label: str = ""  # names the user in progress lines (one of several tenants)
+    remarks: str = "fixed"  # the user's wording: fixed (one remark per verdict) or varied
 
 
 @dataclass
@@ -114,6 +115,8 @@ class Simulation:
         rng = random.Random(self.config.seed * 1_000_003 + index)
         session = self.session_id(index)
         items = [scenario.draw(rng) for _ in range(self.config.turns)]
+        # The varied wording draws from the same RNG after the questions: they stay the same.
+        wording = rng if self.config.remarks == "varied" else None
         system = [{"role": "system", "content": scenario.system_prompt}]
         messages = [
             *(system if scenario.system_prompt else []),
@@ -128,7 +131,7 @@ class Simulation:
             following = items[turn + 1] if turn + 1 < len(items) else None
             messages += [
                 {"role": "assistant", "content": answer},
-                {"role": "user", "content": scenario.remark(answer, item, following)},
+                {"role": "user", "content": scenario.remark(answer, item, following, wording)},
             ]
         # The last remark is the next state of the last answer; this request closes the session.
         await self._ask(messages, session, max_tokens=1, headers={"X-Session-Done": "true"})
