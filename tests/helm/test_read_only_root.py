@@ -18,17 +18,23 @@ import redis
 
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
-from tests.conftest import VENV_BIN, ChildProcess, free_port, wait_until
+from tests.conftest import REPO, VENV_BIN, ChildProcess, free_port, wait_until
 from tests.helm.conftest import EXAMPLE_VALUES, pod_specs, render
 
 pytestmark = pytest.mark.integration
 
 # Run inside `unshare --mount`: every mount but /proc, /sys and /dev read-only, then a fresh
-# tmpfs (an emptyDir) on each writable directory, then exec the program.
+# tmpfs (an emptyDir) on each writable directory, then exec the program. What the programs run
+# from (the checkout, the venv) stays visible, read-only, where a tmpfs would hide it (a clone
+# under /tmp): held open before the tmpfs is mounted, then bound back on top of it.
 SANDBOX = r"""
-import os, subprocess, sys
-sep = sys.argv.index("--")
-writable, argv = sys.argv[1:sep], sys.argv[sep + 1:]
+import ctypes, os, subprocess, sys
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+libc = ctypes.CDLL(None, use_errno=True)
+sep, keep_sep = sys.argv.index("--"), sys.argv.index("--keep")
+writable, keep, argv = sys.argv[1:keep_sep], sys.argv[keep_sep + 1:sep], sys.argv[sep + 1:]
+hidden = [k for k in keep if any(k.startswith(w.rstrip("/") + "/") for w in writable)]
+held = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in hidden}
 mountinfo = open("/proc/self/mountinfo").read().splitlines()
 points = {line.split()[4].encode().decode("unicode_escape") for line in mountinfo}
 for point in sorted(points):
@@ -36,8 +42,16 @@ for point in sorted(points):
         subprocess.run(["mount", "-o", "remount,bind,ro", point], check=True)
 for path in writable:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", path], check=True)
+for path, fd in held.items():
+    os.makedirs(path, exist_ok=True)
+    for source, flags in ((f"/proc/self/fd/{fd}", MS_BIND | MS_REC),
+                          (None, MS_REMOUNT | MS_BIND | MS_RDONLY)):
+        if libc.mount(source and source.encode(), path.encode(), None, flags, None) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {source} on {path}")
 os.execvp(argv[0], argv)
 """
+# The directories the sandboxed programs run from.
+KEPT = tuple(sorted({str(REPO), sys.prefix, sys.base_prefix}))
 
 
 def chart_container(objects: list[dict], where: str, name: str) -> tuple[dict, dict]:
@@ -71,7 +85,7 @@ def sandbox_of(spec: dict, container: dict) -> tuple[tuple[str, ...], dict[str, 
 
 def read_only(argv: list[str], writable: tuple[str, ...]) -> list[str]:
     unshare = ["unshare", "--mount", "--propagation", "private"]
-    return [*unshare, sys.executable, "-c", SANDBOX, *writable, "--", *argv]
+    return [*unshare, sys.executable, "-c", SANDBOX, *writable, "--keep", *KEPT, "--", *argv]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,12 +99,20 @@ def mount_namespaces() -> None:
 
 def test_the_sandbox_is_read_only_but_for_its_volumes() -> None:
     probe = "import sys, os\nfor d in sys.argv[1:]:\n    try:\n        open(os.path.join(d, '.ro-probe'), 'w').close(); print(d, 'rw')\n    except OSError as e:\n        print(d, e.errno)"  # noqa: E501
-    dirs = ["/tmp", str(Path(sys.executable).parent), str(Path.home()), "/var/tmp", "/etc"]
+    dirs = [
+        "/tmp",
+        str(Path(sys.executable).parent),
+        str(REPO),
+        str(Path.home()),
+        "/var/tmp",
+        "/etc",
+    ]
     result = subprocess.run(
         read_only([sys.executable, "-c", probe, *dirs], ("/tmp",)), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    # 30: EROFS. /tmp is the fresh tmpfs; the venv, $HOME, /var/tmp and /etc are not writable.
+    # 30: EROFS. /tmp is the fresh tmpfs; the venv, the checkout (there, wherever it is), $HOME,
+    # /var/tmp and /etc are not writable.
     assert result.stdout.split("\n")[:-1] == ["/tmp rw"] + [f"{d} 30" for d in dirs[1:]]
 
 
