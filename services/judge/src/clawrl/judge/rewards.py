@@ -68,16 +68,23 @@ def check_reward(value: Any, spec: str) -> float | None:
     return float(value)
 
 
-def load_reward_fn(spec: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
-    """Import `module:function`; RewardFnError with a clear message when that fails."""
+def import_function(spec: str, setting: str) -> Callable[..., Any]:
+    """Import `module:function` named by the setting `setting`; RewardFnError with a clear
+    message when that fails."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise RewardFnError(f"reward_fn must be 'module:function', got {spec!r}")
+        raise RewardFnError(f"{setting} must be 'module:function', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RewardFnError(f"cannot import reward_fn module {module_name!r}: {exc}") from exc
+        raise RewardFnError(f"cannot import {setting} module {module_name!r}: {exc}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
-        raise RewardFnError(f"{module_name!r} has no callable {attr!r} (reward_fn {spec!r})")
+        raise RewardFnError(f"{module_name!r} has no callable {attr!r} ({setting} {spec!r})")
+    return function
+
+
+def load_reward_fn(spec: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """Import `module:function`; RewardFnError with a clear message when that fails."""
+    function = import_function(spec, "reward_fn")
     return RewardFn(spec=spec, function=function, kwargs=dict(kwargs or {}))

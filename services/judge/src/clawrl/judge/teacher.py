@@ -78,20 +78,65 @@ def teacher_from_meta(
     return TeacherSignal(signal.logprobs, top_k, topk_ids, topk_lps)
 
 
-class Teacher:
-    """The judge engine as teacher: renders the hinted prompt with the POLICY's template and
-    tools, then scores the recorded response."""
+def narrow_topk(ids: Sequence[int], logprobs: Sequence[float], k_from: int, k_to: int):
+    """[T * k_from] row-major top-K ids and log-probs -> the first k_to of each row
+    ([T * k_to]; rows are sorted most likely first)."""
+    if k_to > k_from:
+        raise ValueError(f"cannot narrow top-{k_from} rows to {k_to}")
+    rows = range(0, len(ids), k_from)
+    return (
+        [i for r in rows for i in ids[r : r + k_to]],
+        [lp for r in rows for lp in logprobs[r : r + k_to]],
+    )
 
-    def __init__(self, engine: SGLangClient, policy_renderer: ChatRenderer, top_k: int) -> None:
+
+def merge_signals(signals: Sequence[TeacherSignal], choice: Sequence[int]) -> TeacherSignal:
+    """signals: N teacher signals over one response (same top_k); choice: [T] candidate per
+    token -> one signal whose token t (log-prob and top-K row) is candidate choice[t]'s."""
+    k = signals[0].top_k
+    logprobs = [signals[c].logprobs[t] for t, c in enumerate(choice)]
+    ids = [i for t, c in enumerate(choice) for i in signals[c].topk_ids[t * k : (t + 1) * k]]
+    lps = [v for t, c in enumerate(choice) for v in signals[c].topk_logprobs[t * k : (t + 1) * k]]
+    return TeacherSignal(logprobs, k, ids, lps)
+
+
+class Teacher:
+    """The teacher engine (the judge engine, or the policy engine's base weights: requests carry
+    no adapter) scoring the recorded response after the hinted prompt, rendered with the
+    POLICY's template and tools. `student`: the policy engine, whose base weights stand in for
+    the student when hint candidates are selected by top-K agreement (the judge cannot reach
+    the trainer's current weights; they start equal to the base and stay close to it)."""
+
+    def __init__(
+        self,
+        engine: SGLangClient,
+        policy_renderer: ChatRenderer,
+        top_k: int,
+        student: SGLangClient | None = None,
+    ) -> None:
         self.engine = engine
         self.renderer = policy_renderer
         self.top_k = top_k
+        self.student = student
 
     def hinted_prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, hint: str
     ) -> list[int]:
         return self.renderer.render_ids(inject_hint(messages, hint), tools)
 
-    async def score(self, prompt_ids: list[int], response_ids: Sequence[int]) -> TeacherSignal:
-        reply = await self.engine.generate(teacher_request(prompt_ids, response_ids, self.top_k))
-        return teacher_from_meta(reply.get("meta_info") or {}, response_ids, self.top_k)
+    async def score(
+        self, prompt_ids: list[int], response_ids: Sequence[int], top_k: int | None = None
+    ) -> TeacherSignal:
+        k = self.top_k if top_k is None else top_k
+        reply = await self.engine.generate(teacher_request(prompt_ids, response_ids, k))
+        return teacher_from_meta(reply.get("meta_info") or {}, response_ids, k)
+
+    async def student_topk(
+        self, prompt_ids: list[int], response_ids: Sequence[int], top_k: int
+    ) -> list[int]:
+        """[T * top_k] ids of the student's (base policy's) top-K at each response token, on
+        the turn's own prompt."""
+        if self.student is None:
+            raise ValueError("no policy engine to read the student's top-K from")
+        reply = await self.student.generate(teacher_request(prompt_ids, response_ids, top_k))
+        return teacher_from_meta(reply.get("meta_info") or {}, response_ids, top_k).topk_ids
