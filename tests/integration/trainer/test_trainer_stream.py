@@ -209,3 +209,31 @@ async def test_samples_of_another_mode_are_dead_lettered(redis, redis_url, tmp_p
         "sample judged in mode 'unspecified (SAMPLE_MODE_UNSPECIFIED)'"
     )
     assert await pending(redis, settings) == 0
+
+
+async def test_a_batch_without_signal_takes_no_step_and_makes_no_version(
+    redis, redis_url, tmp_path, caplog
+) -> None:
+    """Every turn neutral (reward 0, e.g. promoted by the at-least-one rule) or every reward
+    alike under the batch baseline: advantages all 0, so no step, no version, and the samples
+    are acknowledged and counted; the next batch with a signal steps as usual."""
+    caplog.set_level(logging.WARNING, logger="clawrl.trainer.training")
+    settings = settings_for(redis_url, tmp_path, advantage={"normalize_groups": True,
+                                                            "group_by": "batch"})  # fmt: skip
+    trainer = await start_trainer(settings, redis)
+    neutral = [make_sample(f"n:{i}", [40 + i], reward=0.0, promoted=True) for i in range(4)]
+    alike = [make_sample(f"a:{i}", [50 + i], reward=1.0) for i in range(4)]
+    await publish_all(redis, settings, neutral + alike)
+    assert await one_step(trainer) is None
+    assert await one_step(trainer) is None
+    assert trainer.state.step == 0 and trainer.state.policy_version == 0
+    assert trainer.store.latest_state() is None or trainer.store.latest_state()[0].step == 0
+    assert await redis.xlen(settings.redis.versions_stream) == 0
+    assert await pending(redis, settings) == 0  # acknowledged: nothing waits to be redelivered
+    assert counter(trainer, "clawrl_trainer_batches_skipped_total", reason="no_signal") == 2
+    assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="no_signal") == 8
+    assert "no step on 4 samples: every advantage is 0" in caplog.text
+    mixed = [make_sample(f"m:{i}", [60 + i], reward=1.0 if i % 2 else -1.0) for i in range(4)]
+    await publish_all(redis, settings, mixed)
+    report = await one_step(trainer)
+    assert report.step == 1 and trainer.state.policy_version == 1

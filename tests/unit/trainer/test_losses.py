@@ -84,6 +84,15 @@ def test_opd_is_teacher_minus_old_and_exactly_zero_without_teacher() -> None:
     assert not torch.isnan(adv).any()
 
 
+def test_opd_clip_bounds_each_tokens_gap() -> None:
+    """Gaps 0.5 and -1.0 (see above) clipped at 0.75: 0.5 and -0.75; no teacher still 0."""
+    cfg = AdvantageConfig(estimator="on_policy_distillation", opd_clip=0.75)
+    adv = compute_advantages(inputs(), cfg)
+    assert adv.tolist() == [[0.5, -0.75, 0.0], [0.0, 0.0, 0.0]]
+    both = compute_advantages(inputs(), AdvantageConfig(estimator="combine", opd_clip=0.75))
+    assert both[0].tolist() == [2.5, 1.25, 0.0]
+
+
 def test_combine_weighs_both_terms_and_drops_distillation_without_teacher() -> None:
     cfg = AdvantageConfig(estimator="combine", w_rl=1.0, w_opd=0.5)
     adv = compute_advantages(inputs(), cfg)

@@ -78,13 +78,15 @@ class AdvantageConfig:
     normalize_groups: GRPO group normalisation (off: each turn is its own group); group_by:
     what a group is, the samples of one session ("session", the batch's group_index) or the
     whole batch ("batch": each reward against the batch's mean, the baseline left when every
-    prompt is sampled once, as live traffic is)."""
+    prompt is sampled once, as live traffic is); opd_clip: the bound on each token's
+    teacher_logp - old_logp (None: unclipped)."""
 
     estimator: str = "grpo"
     w_rl: float = 1.0
     w_opd: float = 1.0
     normalize_groups: bool = False
     group_by: str = "session"
+    opd_clip: float | None = None
     eps: float = 1e-6
 
 
@@ -115,8 +117,12 @@ def grpo_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
 
 
 def opd_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
-    """-> [B, R]: teacher_logp - old_logp per token, exactly 0 for samples without a teacher."""
+    """-> [B, R]: teacher_logp - old_logp per token, clipped to +-opd_clip when set (OpenClaw-RL's
+    top-K OPD clips it at 2: one token the teacher finds nearly impossible must not outweigh
+    the rest of the response), exactly 0 for samples without a teacher."""
     gap = inputs.teacher_logp - inputs.old_logp
+    if cfg.opd_clip is not None:
+        gap = gap.clamp(-cfg.opd_clip, cfg.opd_clip)
     # where(), not a product: a sample without a teacher may carry garbage (even nan) there.
     return torch.where(inputs.has_teacher[:, None] & (inputs.mask > 0), gap, 0.0) * inputs.mask
 

@@ -59,7 +59,7 @@ class TrainerMetrics:
         self.samples_dropped = Counter(
             "clawrl_trainer_samples_dropped_total",
             "Samples not trained, by reason (stale, duplicate, invalid, mode: judged in a mode the "
-            "estimator does not train, undecodable, step_failed, backend_lost).",
+            "estimator does not train, undecodable, step_failed, backend_lost, no_signal).",
             ["reason"],
             registry=r,
         )
@@ -156,6 +156,13 @@ class TrainerMetrics:
         self.step_failures = Counter(
             "clawrl_trainer_step_failures_total",
             "Batches the backend failed to train (dead-lettered with the error).",
+            registry=r,
+        )
+        self.batches_skipped = Counter(
+            "clawrl_trainer_batches_skipped_total",
+            "Batches that took no step and made no version, by reason (no_signal: every "
+            "advantage 0 and no distillation term; their samples count as dropped, no_signal).",
+            ["reason"],
             registry=r,
         )
 

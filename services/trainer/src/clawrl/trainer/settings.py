@@ -54,6 +54,12 @@ class AdvantageSettings(Section):
         description="A group for normalize_groups: the samples of one session, or the whole "
         "batch (the batch mean as baseline: live traffic samples each prompt once).",
     )
+    opd_clip: float | None = Field(
+        None,
+        gt=0,
+        description="Bound on each token's distillation advantage teacher_logp - old_logp "
+        "(on_policy_distillation, combine); unset = unclipped. OpenClaw-RL's top-K OPD uses 2.",
+    )
 
 
 class CombineSettings(Section):
@@ -363,4 +369,5 @@ class TrainerSettings(ClawrlSettings):
             w_opd=self.combine.w_opd,
             normalize_groups=self.advantage.normalize_groups,
             group_by=self.advantage.group_by,
+            opd_clip=self.advantage.opd_clip,
         )

@@ -88,6 +88,15 @@ def batch_figures(
     }
 
 
+def has_signal(advantages: torch.Tensor, batch, cfg) -> bool:
+    """advantages: [B, R] -> whether a step would learn anything from the users: a nonzero
+    advantage on a trained token, or a top-K distillation term (distill_coef > 0 and a sample
+    with a teacher). KL and entropy terms alone only pull the policy back to where it was."""
+    if bool((advantages * batch.loss_mask).abs().gt(0).any()):
+        return True
+    return bool(cfg.distill_coef) and bool(batch.has_teacher.any())
+
+
 class VersionSync(Protocol):
     """A weight sync the trainer runs itself once a version is announced (transport nccl:
     `megatron.broadcast_sync.BroadcastSync`); with disk syncs the launcher follows the
@@ -211,6 +220,9 @@ class Trainer:
             await self._reject(collected, exc)
             return None
         await self.intake.unfinished.finish(entry_ids)
+        if figures is None:
+            await self._skip(collected, batch)
+            return None
         self.state.step += 1
         self.state.samples_trained += batch.size
         self.uncommitted.update(batch.sample_ids)
@@ -260,8 +272,9 @@ class Trainer:
             adapter_of(sample.tenant, self.settings.tenants, self.intake.queues.owners)
         )
 
-    async def _optimize(self, batch, version: int) -> dict[str, float]:
-        """Old (and reference) log-probs, advantages, one optimizer step -> the step's figures."""
+    async def _optimize(self, batch, version: int) -> dict[str, float] | None:
+        """Old (and reference) log-probs, advantages, one optimizer step -> the step's figures;
+        None (no step) when the batch carries no learning signal (`has_signal`)."""
         started = time.perf_counter()
         cfg = self.settings.ppo.loss_config()
         old_logp = await self.backend.call("compute_logprobs", batch, "policy")
@@ -277,6 +290,8 @@ class Trainer:
             ),
             self.settings.advantage_config(),
         )  # fmt: skip
+        if not has_signal(advantages, batch, cfg):
+            return None
         cap = cfg.tis_cap if cfg.off_policy_correction == "tis" else math.inf  # "none": no cap
         figures = batch_figures(batch, old_logp, advantages, version, cap)
         figures |= await self.backend.call(
@@ -284,6 +299,18 @@ class Trainer:
         )
         figures["logprobs_s"] = logprobs_s
         return figures
+
+    async def _skip(self, collected: Collected, batch) -> None:
+        """A batch with no learning signal takes no step and makes no version: its entries are
+        acknowledged (nothing in them can train, now or on a replay) and counted."""
+        self.metrics.batches_skipped.labels("no_signal").inc()
+        self.metrics.samples_consumed.labels("dropped").inc(batch.size)
+        self.metrics.samples_dropped.labels("no_signal").inc(batch.size)
+        log.warning("no step on %d samples: every advantage is 0 (reward mean %.3f; e.g. every "
+                    "reward 0, or all alike under the batch baseline) and no distillation term",
+                    batch.size, float(batch.reward.mean()))  # fmt: skip
+        await self.consumer.ack(*[h.entry.entry_id for h in collected.held],
+                                *collected.ack_with_step)  # fmt: skip
 
     async def _reject(self, collected: Collected, exc: Exception) -> None:
         """Dead-letter a batch the backend failed on, with the error, and count it."""
