@@ -1,8 +1,8 @@
 """Tenants' operations on a real Redis and the tiny model (issue 20): a restarted trainer
 announces again each tenant's version whose announcement was lost; `clawrl-trainer tenants
-reset T` makes T's adapter the shared policy's again (a new version, exported and announced,
-applied once even across a restart); `clawrl-trainer tenants export T --out DIR` writes T's
-newest version as a PEFT adapter directory."""
+export T --out DIR` writes T's newest version as a PEFT adapter directory; `clawrl-trainer
+tenants reset T` drops T's adapter (issue 30: its slot freed, its served record deleted, its
+version floor past every version it had; applied once even across a restart)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch
 from redis.asyncio import Redis
 from safetensors.torch import load_file
 
+from clawrl.common.served import read_served_tenants, write_served_tenant
 from clawrl.common.tenants import tenant_versions_stream
 from clawrl.trainer.main import main
+from tests.conftest import wait_until
 
 from .helpers import counter, make_sample, publish_all, settings_for, start_trainer
 from .test_trainer_tenants import SECTIONS, announced, tenant_step
@@ -42,8 +44,12 @@ async def test_resume_reannounces_and_reset_and_export_work(
     settings = settings_for(redis_url, tmp_path / "ckpt", **SECTIONS)
     trainer = await start_trainer(settings, redis)
     order = ["alice", "alice", "alice", "alice", "", ""]
+    # alice's turns 2 and 3 come once her v1 serves her.
+    served = {2: "tenant-alice-v1", 3: "tenant-alice-v1"}
     await publish_all(redis, settings, [
-        make_sample(f"{t or 'shared'}:{i}", [10 + i, 11], tenant=t) for i, t in enumerate(order)
+        make_sample(f"{t or 'shared'}:{i}", [10 + i, 11], tenant=t,
+                    weight_version=served.get(i, ""), policy_version=1 if i in served else 0)
+        for i, t in enumerate(order)
     ])  # fmt: skip
     steps = [(await tenant_step(trainer))[0] for _ in range(3)]
     assert steps == ["alice", "alice", ""]
@@ -63,7 +69,7 @@ async def test_resume_reannounces_and_reset_and_export_work(
         ("alice", 2, "tenant-alice-v2"),
     ]
 
-    # Reset through the CLI (flags and env as the trainer's): applied before the next step.
+    # Export (flags and env as the trainer's): alice's newest version as a flat PEFT directory.
     monkeypatch.setenv("CLAWRL_TENANTS__MODE", "per_tenant")
     monkeypatch.setenv("CLAWRL_LORA__ENABLED", "true")
     monkeypatch.setenv("CLAWRL_REDIS__VERSIONS_STREAM", settings.redis.versions_stream)
@@ -73,38 +79,45 @@ async def test_resume_reannounces_and_reset_and_export_work(
     def cli(*argv: str):  # in a thread, as in a process of its own: it runs its own loop
         return asyncio.to_thread(main, ["tenants", *argv, *flags])
 
-    # Asked while the trainer waits for samples (none arrive), it is applied all the same: the
-    # reset version's announcement is the next entry of the tenants' versions stream.
-    [(last, _)] = await redis.xrevrange(stream, count=1)
+    out = tmp_path / "alice-export"
+    await cli("export", "alice", "--out", str(out))
+    assert "exported tenant alice's version 2" in capsys.readouterr().out
+    assert (out / "adapter_config.json").is_file() and same(weights(out), alice_v2)
+    with pytest.raises(SystemExit) as exited:
+        await cli("export", "alice", "--out", str(out))
+    assert exited.value.code == 1 and "is not an empty directory" in capsys.readouterr().err
+
+    # Reset through the CLI, asked while the trainer waits for samples (none arrive): applied
+    # all the same, within a read.
+    served_key = settings.sync.served_key
+    await write_served_tenant(redis, served_key, "alice", 2, "tenant-alice-v2", "/x")
     stop = asyncio.Event()
     running = asyncio.create_task(trainer.run(stop))
     await cli("reset", "alice")
     await cli("reset", "zed")  # no adapter of its own: counted, nothing done
     assert "reset of tenant alice requested" in capsys.readouterr().out
-    async with asyncio.timeout(60):
-        while not await redis.xread({stream: last}, block=1000):
-            pass
+
+    def applied() -> bool:  # both requests (they are applied in order)
+        return counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="no_adapter") == 1
+
+    await asyncio.to_thread(wait_until, applied, 60, "the resets applied")
     stop.set()
     await running
-    assert trainer.state.tenant_versions["alice"] == 3
-    assert same(weights(policies / "tenant-alice" / "v3"), shared_v1)
-    assert (await announced(redis, stream))[-1] == ("alice", 3, "tenant-alice-v3")
+    # Her adapter is gone (slot freed, nothing announced), her versions go on from 3.
+    assert "alice" not in trainer.state.tenant_steps and not trainer.intake.queues.owners
+    assert trainer.state.tenant_floors["alice"] == 3
+    assert await read_served_tenants(redis, served_key) == {}
+    assert (await announced(redis, stream))[-1] == ("alice", 2, "tenant-alice-v2")
     assert counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="reset") == 1
-    assert counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="no_adapter") == 1
-    # Applied once: the durable state records the request; a restart does not reset again.
+    # Applied once: the durable state records the request and the floor; a restart keeps both.
     trainer = await start_trainer(settings, redis)
     await trainer.apply_resets()
-    assert trainer.state.tenant_versions["alice"] == 3
+    assert trainer.state.tenant_floors == {"alice": 3}
     assert counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="reset") == 0
 
-    # Export: alice's newest version (v3, the reset one) as a flat PEFT directory.
-    out = tmp_path / "alice-export"
-    await cli("export", "alice", "--out", str(out))
-    assert "exported tenant alice's version 3" in capsys.readouterr().out
-    assert (out / "adapter_config.json").is_file() and same(weights(out), shared_v1)
+    # Her old versions are no longer hers to export; bad requests are refused.
     for argv, message in (
-        (["export", "alice", "--out", str(out)], "is not an empty directory"),
-        (["export", "bob", "--out", str(tmp_path / "b")], "tenants with one: alice"),
+        (["export", "alice", "--out", str(tmp_path / "a")], "tenants with one: none"),
         (["reset", "no/such"], "is not a tenant id"),
     ):
         with pytest.raises(SystemExit) as exited:

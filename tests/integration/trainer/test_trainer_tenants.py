@@ -51,12 +51,17 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(
     settings = settings_for(redis_url, tmp_path, **SECTIONS)
     trainer = await start_trainer(settings, redis)
     order = ["alice", "bob", "alice", "", "alice", "alice", "bob", "", "carol", "carol"]
+    # alice's turns 4 and 5 come once her v1 serves her; until a tenant's first export, the
+    # shared policy serves it (weight_version ""), and those samples start its adapter.
+    served = {4: "tenant-alice-v1", 5: "tenant-alice-v1"}
     samples = [
         make_sample(
             f"{tenant or 'shared'}:{i}",
             [10 + i, 11],
             tenant=tenant,
             reward=0.5 if tenant == "bob" else 1.0,
+            weight_version=served.get(i, ""),
+            policy_version=1 if i in served else 0,
         )
         for i, tenant in enumerate(order)
     ]
@@ -74,13 +79,13 @@ async def test_each_tenant_trains_its_own_adapter_in_turn(
     assert counter(trainer, "clawrl_trainer_tenant_steps_total", tenant="alice") == 2
     assert counter(trainer, "clawrl_trainer_tenant_steps_total", tenant="shared") == 2
     # The dashboard's tenant row: samples, and each adapter's last step's reward and staleness
-    # (alice's second step trained samples of v0 on her v1; bob's one step on his v0).
+    # (alice's second step trained samples her v1 served on her v1; bob's one step on his v0).
     samples = [counter(trainer, "clawrl_trainer_tenant_samples_total", tenant=t)
                for t in ("alice", "bob", "shared")]  # fmt: skip
     assert samples == [4, 2, 4]
     assert counter(trainer, "clawrl_trainer_tenant_reward_mean", tenant="bob") == 0.5
     assert counter(trainer, "clawrl_trainer_tenant_reward_mean", tenant="alice") == 1.0
-    assert counter(trainer, "clawrl_trainer_tenant_staleness_mean", tenant="alice") == 1
+    assert counter(trainer, "clawrl_trainer_tenant_staleness_mean", tenant="alice") == 0
     assert counter(trainer, "clawrl_trainer_tenant_staleness_mean", tenant="bob") == 0
 
     tenants = tenant_versions_stream(settings.redis.versions_stream)

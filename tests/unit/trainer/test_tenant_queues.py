@@ -2,7 +2,7 @@
 own samples, and a busy tenant never starves a quiet one."""
 
 from clawrl.common.tenants import SHARED, TenantSettings
-from clawrl.trainer.tenants import TenantQueues, adapter_of
+from clawrl.trainer.tenants import RESET, UNROUTED, TenantQueues, adapter_of, route
 
 PER_TENANT = TenantSettings(mode="per_tenant", min_samples_per_step=2, max_adapters=2)
 
@@ -52,3 +52,34 @@ def test_a_busy_tenant_does_not_starve_a_quiet_one():
     queues.put("quiet", 0)
     queues.put("quiet", 1)
     assert [queues.pop_ready()[0] for _ in range(3)] == ["busy", "quiet", "busy"]
+
+
+def test_a_sample_trains_the_adapter_that_served_it():
+    """Issue 30: the adapter that served a turn trains on it; a reset or remove drops what its
+    old versions served; a tenant taken out of `allow` keeps no adapter."""
+
+    def routed(tenant, served_by, settings=PER_TENANT, owners=("alice",), removed=()):
+        return route(tenant, served_by, settings, set(owners), {"alice": 2}, {"alice": 2},
+                     set(removed))  # fmt: skip
+
+    assert routed("alice", "tenant-alice-v2") == "alice"
+    assert routed("alice", "tenant-alice-v1") == RESET  # below her floor: since reset
+    assert routed("alice", "") == SHARED  # v2 is hers, yet the shared policy served this one
+    assert routed("alice", "policy-v7") == SHARED
+    assert routed("bob", "") == "bob"  # a new adapter starts from the shared policy's turns
+    assert routed("bob", "tenant-alice-v2") == "bob"  # another tenant's name: not bob's
+    assert routed("bob", "", removed=["bob"]) == SHARED
+    assert routed("alice", "tenant-alice-v2", removed=["alice"]) == UNROUTED
+    only_bob = TenantSettings(mode="per_tenant", allow=["bob"])
+    assert routed("alice", "tenant-alice-v2", only_bob) == UNROUTED  # taken out of allow
+    assert routed("alice", "", only_bob) == SHARED
+
+
+def test_releasing_a_tenant_frees_its_slot_and_hands_back_its_samples():
+    queues = TenantQueues(PER_TENANT, batch_size=3)
+    for i, tenant in enumerate(["alice", "bob", "carol", "alice"]):
+        queues.put(tenant, (tenant, i))
+    assert queues.owners == {"alice", "bob"} and queues.overflow == 1
+    assert queues.release("alice") == [("alice", 0), ("alice", 3)]
+    assert queues.put("carol", ("carol", 4)) == "carol"  # the freed slot
+    assert queues.owners == {"bob", "carol"}

@@ -5,7 +5,8 @@ restarted engines, learn it without asking anyone.
 The weight-sync job writes it once every engine has loaded the adapter and before it switches
 the gateways; the hash is `{version, adapter, path, updated_at}`. Full-weight syncs clear the
 adapter (the engines' own weight_version says what they serve). Tenants' adapters (per-tenant
-mode) are recorded beside it, one field per tenant (`tenants_key`), by the tenant's syncs.
+mode) are recorded beside it, one field per tenant (`tenants_key`), by the tenant's syncs; the
+trainer deletes a tenant's field when it resets or removes the tenant's adapter.
 """
 
 from __future__ import annotations
@@ -85,3 +86,9 @@ async def write_served_tenant(
     redis: Redis, served_key: str, tenant: str, version: int, adapter: str, path: str
 ) -> None:
     await redis.hset(tenants_key(served_key), tenant, f"{version}\t{adapter}\t{path}")
+
+
+async def delete_served_tenant(redis: Redis, served_key: str, tenant: str) -> bool:
+    """Forget `tenant`'s served adapter (its adapter was reset or removed): gateways that
+    start, and the launcher, no longer route it; whether there was one."""
+    return bool(await redis.hdel(tenants_key(served_key), tenant))

@@ -292,7 +292,9 @@ async def initial_admission(
 
 async def restore_tenant_adapters(settings: GatewaySettings, redis: Redis, gate: PauseGate) -> None:
     """Per-tenant mode: route each tenant to the adapter its last sync recorded, so a replica
-    that (re)starts does not serve tenants the shared policy's."""
+    that (re)starts does not serve tenants the shared policy's. A tenant no longer selected
+    (taken out of tenants.allow/pattern) is left to the shared policy: its frozen adapter
+    would record versions the trainer no longer trains."""
     if not settings.tenants.per_tenant or settings.control.initial_policy_version is not None:
         return
     key = settings.control.served_key
@@ -302,6 +304,10 @@ async def restore_tenant_adapters(settings: GatewaySettings, redis: Redis, gate:
         log.warning("cannot read the tenants' served adapters beside %s: %s", key, exc)
         return
     for tenant, mine in served.items():
+        if not settings.tenants.owns_adapter(tenant):
+            log.warning("tenant %s is no longer selected for an adapter: serving it the shared "
+                        "policy, not its recorded %s", tenant, mine.adapter)  # fmt: skip
+            continue
         gate.tenant_adapters[tenant] = (mine.version, mine.adapter)
         gate.metrics.tenant_policy_version.labels(tenant).set(mine.version)
 

@@ -41,6 +41,10 @@ class TrainerState:
     tenant_versions: dict[str, int] = field(default_factory=dict)
     # The last entry of the tenants' resets stream applied (`clawrl-trainer tenants reset`).
     resets_applied: str = "0-0"
+    # Per tenant reset or removed: the first version of its next adapter (samples its older
+    # versions served are dropped); the tenants removed (no adapter until a reset).
+    tenant_floors: dict[str, int] = field(default_factory=dict)
+    tenants_removed: list[str] = field(default_factory=list)
 
 
 class TrainedIds:

@@ -4,6 +4,8 @@ Delivery is at-least-once, so every entry ends in exactly one of these ways:
 - trainable: held, trained, and acknowledged only once a durable state includes its step;
 - masked (a mask reason / no trained token): acknowledged now, it never fills a batch;
 - stale (older than max_staleness policy versions): acknowledged now, counted;
+- per tenant, served by an adapter since reset or removed, or of a tenant no longer selected
+  (tenants.route): acknowledged now, counted (tenant_reset, tenant_unrouted);
 - a sample id already trained (in a durable state): acknowledged now, counted;
 - a sample id trained in a step that is not durable yet (or twice in this batch): acknowledged
   together with that step's entries;
@@ -42,7 +44,7 @@ from clawrl.common.streams import Entry, GroupConsumer
 from clawrl.common.tenants import SHARED, TenantSettings
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import BadSample, ModeMismatch, check_mode, check_sample, is_trainable
-from clawrl.trainer.tenants import TenantQueues
+from clawrl.trainer.tenants import TenantQueues, Unroutable
 
 log = logging.getLogger(__name__)
 
@@ -235,13 +237,28 @@ class Intake:
                     if isinstance(sample, str):
                         ack_with_step.append(sample)
                     continue
-                waiting.add(sample.sample_id)
                 overflow = queues.overflow
-                queues.put(sample.tenant, Held(sample, entry))
+                adapter = queues.put(sample.tenant, Held(sample, entry), sample.weight_version)
+                if isinstance(adapter, Unroutable):  # its adapter was reset, removed, unrouted
+                    await self._drop(entry, adapter.reason, sample)
+                    if lost:
+                        await self.unfinished.finish([entry.entry_id])
+                    continue
+                waiting.add(sample.sample_id)
                 if queues.overflow > overflow:
                     self.metrics.tenant_overflow.inc()
         adapter, held = ready
         return Collected(held, ack_with_step, adapter)
+
+    async def release_tenant(self, tenant: str) -> int:
+        """Free `tenant`'s adapter slot (a reset or remove); the samples waiting for its adapter
+        are dropped (acknowledged, counted as tenant_reset). How many were dropped."""
+        if self.queues is None:
+            return 0
+        held = self.queues.release(tenant)
+        for item in held:
+            await self._drop(item.entry, "tenant_reset", item.sample)
+        return len(held)
 
     async def _admit(
         self,

@@ -2,8 +2,10 @@
 run the trainer until SIGTERM/SIGINT (the step in progress commits first).
 `clawrl-trainer tenants [flags]` lists the tenants of the newest durable state with their steps
 and adapter versions (`[tenants] mode = "per_tenant"`), and exits; `tenants reset T` asks the
-trainer to reset T's adapter to the shared policy (applied before its next step, or at its next
-start), `tenants export T --out DIR` copies T's newest version to DIR (a PEFT adapter).
+trainer to drop T's adapter and free its slot (T is served the shared policy, and starts a new
+adapter from it), `tenants remove T` the same, T then getting no adapter until a reset (both
+applied before its next step, or at its next start); `tenants export T --out DIR` copies T's
+newest version to DIR (a PEFT adapter).
 
 Locally it starts its own Ray runtime; as a KubeRay RayJob entrypoint it joins the cluster
 (`--ray-address auto`, or ray.address in the settings).
@@ -34,11 +36,11 @@ def parse_args(argv: list[str] | None = None, *, tenants: bool = False) -> argpa
     )
     if tenants:
         parser.add_argument(
-            "action", nargs="?", default="list", choices=("list", "reset", "export"),
-            help="list the tenants (default); reset one's adapter to the shared policy; export "
-            "one's newest version",
+            "action", nargs="?", default="list", choices=("list", "reset", "remove", "export"),
+            help="list the tenants (default); reset one (a new adapter from the shared policy); "
+            "remove one (no adapter until a reset); export one's newest version",
         )  # fmt: skip
-        parser.add_argument("tenant", nargs="?", help="the tenant id (reset, export)")
+        parser.add_argument("tenant", nargs="?", help="the tenant id (reset, remove, export)")
         parser.add_argument("--out", type=Path, help="export: a new directory to write")
     parser.add_argument("--model", help="base model path or prepared name (model.path)")
     parser.add_argument("--redis-url", help="Redis URL (redis.url)")
@@ -65,7 +67,7 @@ def settings_from(args: argparse.Namespace) -> TrainerSettings:
 
 
 def tenants_command(args: argparse.Namespace) -> int:
-    """`clawrl-trainer tenants [list|reset T|export T --out DIR]`; the exit code."""
+    """`clawrl-trainer tenants [list|reset T|remove T|export T --out DIR]`; the exit code."""
     settings = settings_from(args)
     if args.action == "list":
         print_tenants(settings)
@@ -76,11 +78,12 @@ def tenants_command(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     try:
-        if args.action == "reset":
-            entry = request_reset(settings, args.tenant)
+        if args.action in ("reset", "remove"):
+            entry = request_reset(settings, args.tenant, args.action)
             print(
-                f"reset of tenant {args.tenant} requested ({entry}); the trainer applies it "
-                "before its next step and announces the reset adapter as a new version"
+                f"{args.action} of tenant {args.tenant} requested ({entry}); the trainer applies "
+                "it before its next step: its adapter slot is freed and it is served the shared "
+                "policy"
             )
         else:
             version, source = export_tenant(settings, args.tenant, args.out)

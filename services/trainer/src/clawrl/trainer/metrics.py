@@ -17,6 +17,8 @@ DROP_REASONS = (
     "undecodable",
     "step_failed",
     "backend_lost",
+    "tenant_reset",
+    "tenant_unrouted",
 )
 
 # Step figures exported as gauges, by the name `policy_objective` / the backend give them.
@@ -59,7 +61,9 @@ class TrainerMetrics:
         self.samples_dropped = Counter(
             "clawrl_trainer_samples_dropped_total",
             "Samples not trained, by reason (stale, duplicate, invalid, mode: judged in a mode the "
-            "estimator does not train, undecodable, step_failed, backend_lost, no_signal).",
+            "estimator does not train, undecodable, step_failed, backend_lost; per tenant: "
+            "tenant_reset, served by an adapter since reset or removed, and tenant_unrouted, "
+            "served by the adapter of a tenant no longer selected).",
             ["reason"],
             registry=r,
         )
@@ -106,9 +110,10 @@ class TrainerMetrics:
         )
         self.tenant_resets = Counter(
             "clawrl_trainer_tenant_resets_total",
-            "Requests to reset a tenant's adapter to the shared policy (clawrl-trainer tenants "
-            "reset), by outcome: reset (a new version exported from the shared policy), "
-            "no_adapter (the tenant has none), malformed.",
+            "Requests to reset or remove a tenant's adapter (clawrl-trainer tenants reset|remove),"
+            " by outcome: reset (its adapter dropped, its slot freed: a new one starts from the "
+            "shared policy), removed (the same, and no adapter again until a reset), no_adapter "
+            "(a reset of a tenant that has none), malformed.",
             ["outcome"],
             registry=r,
         )

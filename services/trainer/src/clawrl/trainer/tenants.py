@@ -1,17 +1,25 @@
 """Per-tenant batches (`[tenants] mode = "per_tenant"`): which adapter a sample trains, and
 which tenant's batch goes next.
 
-Each sample trains exactly one adapter: its tenant's when the tenant is selected for one (and
-has one, or there is room for one more: `max_adapters`), else the shared policy's (`SHARED`).
+Each sample trains exactly one adapter, the one that served it (`route`): a turn served by its
+tenant's adapter (`Sample.weight_version` is `tenant-T-vN`) trains that adapter, one served by the
+shared policy trains the shared policy. One exception starts an adapter: while a selected tenant's
+adapter has no exported version yet (new, or reset), the tenant is served the shared policy and
+its samples train its adapter, which starts as a copy of the shared one. A tenant gets an adapter
+when it is selected (`allow`/`pattern`), not removed, and there is room (`max_adapters`); a
+reset or a remove frees its slot. Samples of an adapter that was reset or removed since they were
+served (below the tenant's version floor), or of a tenant no longer selected, are dropped.
 Samples wait in one queue per adapter; a tenant's step takes `min_samples_per_step` of its own
 samples, the shared policy's takes `train.batch_size`. Among the queues that hold a batch, the
 one whose last step is the oldest goes first (round robin), so a busy tenant whose queue is
 always full cannot starve a quiet one: once the quiet one has a batch, it is next.
 
-Operations (`clawrl-trainer tenants ...`): list the tenants; reset one's adapter to the shared
-policy (a request on the resets stream, `{versions_stream}:tenants:resets`, that the running
-trainer applies before its next step, or at its next start: see Trainer.apply_resets); export
-one's newest version as a flat PEFT directory.
+Operations (`clawrl-trainer tenants ...`): list the tenants; reset one (its adapter is dropped,
+its slot freed, and it is served the shared policy until a new adapter of its own, a copy of the
+shared one, is exported); remove one (the same, and it gets no adapter again until a reset);
+export one's newest version as a flat PEFT directory. Reset and remove are requests on the resets
+stream, `{versions_stream}:tenants:resets`, that the running trainer applies before its next
+step, or at its next start: see Trainer.apply_resets.
 """
 
 from __future__ import annotations
@@ -24,7 +32,13 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from clawrl.common import redis_client
-from clawrl.common.tenants import SHARED, TENANT_ID, TenantSettings, is_tenant_id
+from clawrl.common.tenants import (
+    SHARED,
+    TENANT_ID,
+    TenantSettings,
+    is_tenant_id,
+    parse_tenant_adapter,
+)
 from clawrl.trainer.checkpoints import CheckpointStore, TrainerState
 from clawrl.trainer.settings import TrainerSettings
 
@@ -41,6 +55,55 @@ def adapter_of(tenant: str, settings: TenantSettings, owners: set[str]) -> str:
     return SHARED
 
 
+def served_version(tenant: str, weight_version: str) -> int | None:
+    """The version of `tenant`'s own adapter that served a sample (its weight_version names
+    the adapter under LoRA); None when the shared policy served it."""
+    parsed = parse_tenant_adapter(weight_version)
+    return parsed[1] if parsed is not None and parsed[0] == tenant else None
+
+
+@dataclass(frozen=True)
+class Unroutable:
+    """A sample no adapter may train; `reason` is its samples_dropped reason."""
+
+    reason: str
+
+
+# A tenant's adapter was reset or removed after its version served the sample.
+RESET = Unroutable("tenant_reset")
+# The tenant's adapter served it, but the tenant no longer has one (taken out of allow/pattern).
+UNROUTED = Unroutable("tenant_unrouted")
+
+
+def route(
+    tenant: str,
+    weight_version: str,
+    settings: TenantSettings,
+    owners: set[str],
+    versions: dict[str, int],
+    floors: dict[str, int],
+    removed: set[str],
+) -> str | Unroutable:
+    """The adapter a sample trains: the one that served it (see the module docstring).
+    `versions`: each tenant's last exported version; `floors`: the first version of its
+    current adapter (1 unless reset or removed); `removed`: tenants barred from an adapter."""
+    floor = floors.get(tenant, 1)
+    eligible = tenant not in removed
+    own = served_version(tenant, weight_version)
+    if own is not None:
+        if own < floor:
+            return RESET
+        if not (eligible and tenant in owners and settings.owns_adapter(tenant)):
+            return UNROUTED
+        return tenant
+    if not eligible:
+        return SHARED
+    adapter = adapter_of(tenant, settings, owners)
+    if adapter != SHARED and versions.get(tenant, 0) >= floor:
+        return SHARED  # its adapter is exported, yet the shared policy served this turn
+    return adapter
+
+
 @dataclass
 class TenantQueues(Generic[T]):
     """Held samples per adapter, and the fair order of their steps (see the module docstring)."""
@@ -52,11 +115,20 @@ class TenantQueues(Generic[T]):
     last_step: dict[str, int] = field(default_factory=dict)  # adapter -> steps taken before
     steps: int = 0
     overflow: int = 0  # samples of selected tenants that found no room (trained shared)
+    # The trainer's state (per tenant): last exported version, version floor; removed tenants.
+    versions: dict[str, int] = field(default_factory=dict)
+    floors: dict[str, int] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)
 
-    def put(self, tenant: str, item: T) -> str:
-        """Queue `item` of `tenant`; returns the adapter it will train."""
-        adapter = adapter_of(tenant, self.settings, self.owners)
-        if adapter == SHARED and self.settings.owns_adapter(tenant):
+    def put(self, tenant: str, item: T, weight_version: str = "") -> str | Unroutable:
+        """Queue `item` of `tenant` (served by `weight_version`); the adapter it will train, or
+        why none may (then it is not queued)."""
+        adapter = route(tenant, weight_version, self.settings, self.owners, self.versions,
+                        self.floors, self.removed)  # fmt: skip
+        if isinstance(adapter, Unroutable):
+            return adapter
+        if (adapter == SHARED and tenant not in self.owners and tenant not in self.removed
+                and self.settings.owns_adapter(tenant)):  # fmt: skip
             self.overflow += 1
         if adapter != SHARED:
             self.owners.add(adapter)
@@ -88,6 +160,12 @@ class TenantQueues(Generic[T]):
         """Every item waiting, in no particular order."""
         return [item for queue in self.queues.values() for item in queue]
 
+    def release(self, tenant: str) -> list[T]:
+        """Free `tenant`'s slot (a reset or remove): its adapter's waiting items, taken out."""
+        self.owners.discard(tenant)
+        self.last_step.pop(tenant, None)
+        return self.queues.pop(tenant, [])
+
 
 # --- `clawrl-trainer tenants` --------------------------------------------------------------------
 
@@ -104,6 +182,8 @@ def tenant_rows(
     rows = [("-", state.tenant_steps.get(SHARED, state.step), shared, shared_path)]
     for tenant in sorted(set(state.tenant_steps) - {SHARED}):
         version = state.tenant_versions.get(tenant, 0)
+        if version < state.tenant_floors.get(tenant, 1):
+            version = 0  # a new adapter since a reset: nothing exported of it yet
         path = store.policies / f"tenant-{tenant}" / f"v{version}"
         rows.append((tenant, state.tenant_steps[tenant], version, str(path) if version else ""))
     return rows
@@ -132,10 +212,16 @@ class TenantCommandError(Exception):
     """A tenants command that cannot be done; the message says why (printed, exit 1)."""
 
 
-def request_reset(settings: TrainerSettings, tenant: str) -> str:
-    """Ask the trainer to reset `tenant`'s adapter to the shared policy; the entry id."""
+# What a request on the resets stream asks (its `action` field; none: reset).
+RESET_ACTIONS = ("reset", "remove")
+
+
+def request_reset(settings: TrainerSettings, tenant: str, action: str = "reset") -> str:
+    """Ask the trainer to reset `tenant` (or remove it: `action`); the entry id."""
+    if action not in RESET_ACTIONS:
+        raise TenantCommandError(f"{action!r} is not one of {', '.join(RESET_ACTIONS)}")
     if not settings.tenants.per_tenant:
-        raise TenantCommandError("tenants.mode is shared: no tenant has an adapter to reset")
+        raise TenantCommandError(f"tenants.mode is shared: no tenant has an adapter to {action}")
     if not is_tenant_id(tenant):
         raise TenantCommandError(f"{tenant!r} is not a tenant id ({TENANT_ID.pattern})")
 
@@ -143,7 +229,9 @@ def request_reset(settings: TrainerSettings, tenant: str) -> str:
         redis = redis_client.connect(settings.redis, socket_timeout=settings.redis.socket_timeout_s)
         try:
             stream = resets_stream(settings.redis.versions_stream)
-            entry_id = await redis.xadd(stream, {"tenant": tenant}, maxlen=1000, approximate=True)
+            entry_id = await redis.xadd(
+                stream, {"tenant": tenant, "action": action}, maxlen=1000, approximate=True
+            )
         finally:
             await redis.aclose()
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -157,6 +245,9 @@ def export_tenant(settings: TrainerSettings, tenant: str, out: Path) -> tuple[in
     store = CheckpointStore(settings.checkpoint)
     found = store.latest_state()
     versions = found[0].tenant_versions if found else {}
+    floors = found[0].tenant_floors if found else {}
+    # Versions below the floor are of an adapter since reset or removed: not the tenant's.
+    versions = {t: v for t, v in versions.items() if v >= floors.get(t, 1)}
     version = versions.get(tenant, 0)
     if not version:
         known = ", ".join(sorted(t for t, v in versions.items() if v)) or "none"

@@ -171,6 +171,17 @@ class TorchBackend:
         self._from_shared(tenant)
         self.use_adapter(tenant)
 
+    def remove_adapter(self, tenant: str) -> None:
+        """Drop `tenant`'s adapter and optimizer (a reset or remove frees its slot); the shared
+        policy's is in use afterwards. A tenant without one is left as it is."""
+        if tenant == SHARED:
+            raise ValueError("the shared policy's adapter cannot be removed")
+        if self.tenant == tenant:
+            self.use_adapter(SHARED)
+        if self.optimizers.pop(tenant, None) is not None:
+            self.model.delete_adapter(peft_name(tenant))
+            log.info("tenant %s: adapter removed", tenant)
+
     def _from_shared(self, tenant: str) -> None:
         """Copy the shared adapter's weights into `tenant`'s, and give it a fresh optimizer."""
         name = peft_name(tenant)

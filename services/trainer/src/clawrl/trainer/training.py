@@ -14,10 +14,13 @@ In `[tenants] mode = "per_tenant"` a batch is one adapter's (intake, tenants.Ten
 step trains that adapter alone, every sync_interval steps of it exports it (a tenant's as
 policy/tenant-T/vN, announced as `tenant-T-vN` on the tenants' versions stream), and the same
 state holds every adapter, so exactly-once is the same for all. A resume re-announces each
-tenant's newest version that its stream lacks. `clawrl-trainer tenants reset T` is applied
-before the next step, or within a read (consumer.block_ms) while no batch is ready
-(apply_resets): T's adapter becomes a copy of the shared policy's and is exported and announced
-as T's next version at once.
+tenant's newest version that its stream lacks. `clawrl-trainer tenants reset T` (or `remove
+T`) is applied before the next step, or within a read (consumer.block_ms) while no batch is ready
+(apply_resets): T's adapter is dropped and its slot freed, the samples waiting for it are
+dropped, its served record is deleted, and its version floor makes samples that its old versions
+served dropped as they come (all persisted with the state). After a reset T starts a new
+adapter from the shared policy (its versions go on from the floor); after a remove it trains
+the shared policy until a reset.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from redis.asyncio import Redis
 from clawrl.common.logs import log_context
 from clawrl.common.records import Sample
 from clawrl.common.redis_text import text, text_fields
+from clawrl.common.served import delete_served_tenant
 from clawrl.common.streams import GroupConsumer
 from clawrl.common.tenants import SHARED, tenant_adapter, tenant_versions_stream
 from clawrl.common.versions import VersionReady, adapter_name, announce, latest, newest_per_tenant
@@ -51,7 +55,7 @@ from clawrl.trainer.losses import (
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import collate
 from clawrl.trainer.settings import TrainerSettings
-from clawrl.trainer.tenants import adapter_of, resets_stream
+from clawrl.trainer.tenants import RESET_ACTIONS, resets_stream, served_version
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +137,18 @@ class Trainer:
         self.pending_acks: list[str] = []  # entries of those steps
         self.unannounced: VersionReady | None = None
         self.unannounced_tenants: list[VersionReady] = []  # tenants' exports, per-tenant mode
+        self._bind_tenants()
+
+    def _bind_tenants(self) -> None:
+        """The queues route by the state's tenants (the same dicts: a step or a reset updates
+        both)."""
+        queues = self.intake.queues
+        if queues is None:
+            return
+        queues.owners = {t for t in self.state.tenant_steps if t != SHARED}
+        queues.versions = self.state.tenant_versions
+        queues.floors = self.state.tenant_floors
+        queues.removed = set(self.state.tenants_removed)
 
     async def resume(self) -> None:
         """Load the newest durable state, if any, and re-announce its version if needed."""
@@ -148,8 +164,7 @@ class Trainer:
         self.metrics.step.set(state.step)
         for tenant, version in state.tenant_versions.items():  # the dashboard's tenant versions
             self.metrics.tenant_version.labels(tenant).set(version)
-        if self.intake.queues is not None:  # the tenants that have an adapter already
-            self.intake.queues.owners = {t for t in state.tenant_steps if t != SHARED}
+        self._bind_tenants()  # the tenants that have an adapter already, their floors
         log.info("resumed from %s: step %d, policy version %d, %d trained ids",
                  path, state.step, state.policy_version, len(state.trained_ids))  # fmt: skip
         if state.policy_version:
@@ -267,10 +282,11 @@ class Trainer:
         return self.state.tenant_versions.get(adapter, 0)
 
     def _version_of(self, sample: Sample) -> int:
-        """Per-tenant mode: the version of the adapter `sample` would train."""
-        return self._current(
-            adapter_of(sample.tenant, self.settings.tenants, self.intake.queues.owners)
-        )
+        """Per-tenant mode: the version of the adapter that served `sample` (its tenant's own,
+        or the shared policy's), which its policy_version counts in."""
+        if served_version(sample.tenant, sample.weight_version) is None:
+            return self.state.policy_version
+        return self._current(sample.tenant)
 
     async def _optimize(self, batch, version: int) -> dict[str, float] | None:
         """Old (and reference) log-probs, advantages, one optimizer step -> the step's figures;
@@ -358,31 +374,52 @@ class Trainer:
         )
 
     async def apply_resets(self) -> None:
-        """Reset the adapters `clawrl-trainer tenants reset` asked for since the last applied
-        request: each becomes a copy of the shared policy's adapter (a fresh optimizer too),
-        exported as the tenant's next version; the state that records the request as applied
-        is committed, then the version announced (the sync serves it like any other)."""
+        """Apply the resets and removes `clawrl-trainer tenants` asked for since the last applied
+        request (see the module docstring), then commit the state that records them."""
         stream = resets_stream(self.settings.redis.versions_stream)
         reply = await self.redis.xread({stream: self.state.resets_applied}, count=100)
         if not reply:
             return
         for entry_id, fields in reply[0][1]:
             self.state.resets_applied = text(entry_id)
-            tenant = text_fields(fields).get("tenant", "")
-            if not tenant:
+            request = text_fields(fields)
+            tenant, action = request.get("tenant", ""), request.get("action", "reset")
+            if not tenant or tenant == SHARED or action not in RESET_ACTIONS:
                 self.metrics.tenant_resets.labels("malformed").inc()
-                log.error("reset request %s names no tenant: %r", entry_id, fields)
-            elif tenant not in self.state.tenant_steps:
+                log.error("tenants request %s is malformed: %r", entry_id, fields)
+                continue
+            removed = set(self.state.tenants_removed)
+            has_adapter = tenant in self.state.tenant_steps or tenant in self.intake.queues.owners
+            if action == "reset" and not has_adapter and tenant not in removed:
                 self.metrics.tenant_resets.labels("no_adapter").inc()
                 log.warning("reset of tenant %s requested: it has no adapter of its own (it "
                             "trains the shared policy already)", tenant)  # fmt: skip
+                continue
+            await self._release(tenant)
+            if action == "remove":
+                removed.add(tenant)
             else:
-                await self.backend.call("reset_adapter", tenant)
-                await self.export_tenant(tenant)
-                self.metrics.tenant_resets.labels("reset").inc()
-                log.warning("reset tenant %s's adapter to the shared policy: version %d",
-                            tenant, self.state.tenant_versions[tenant])  # fmt: skip
+                removed.discard(tenant)  # a reset lets a removed tenant have an adapter again
+            self.state.tenants_removed = sorted(removed)
+            self.intake.queues.removed = removed
+            outcome = "removed" if action == "remove" else "reset"
+            self.metrics.tenant_resets.labels(outcome).inc()
+            log.warning("%s tenant %s: its adapter is dropped, its samples up to version %d "
+                        "with it; it is served the shared policy", outcome, tenant,
+                        self.state.tenant_floors[tenant] - 1)  # fmt: skip
         await self.commit()
+
+    async def _release(self, tenant: str) -> None:
+        """Drop `tenant`'s adapter (backend, slot, waiting samples, served record) and raise its
+        version floor past every version it exported."""
+        await self.backend.call("remove_adapter", tenant)
+        self.state.tenant_steps.pop(tenant, None)
+        self.state.tenant_floors[tenant] = self.state.tenant_versions.get(tenant, 0) + 1
+        dropped = await self.intake.release_tenant(tenant)
+        # Gateways that start, and the launcher, stop routing the tenant to its old adapter.
+        await delete_served_tenant(self.redis, self.settings.sync.served_key, tenant)
+        if dropped:
+            log.warning("dropped %d samples waiting for tenant %s's adapter", dropped, tenant)
 
     async def commit(self) -> None:
         """Make a state durable, then acknowledge its entries and announce its version."""

@@ -235,7 +235,13 @@ class SyncWatcher:
             )
         if not self.per_tenant:
             return again
-        tenants = await read_served_tenants(self.redis, self.settings.sync.served_key)
+        tenants = {  # a tenant taken out of allow/pattern is not routed to its adapter again
+            tenant: mine
+            for tenant, mine in (
+                await read_served_tenants(self.redis, self.settings.sync.served_key)
+            ).items()
+            if self.settings.tenants.owns_adapter(tenant)
+        }
         for tenant in await tenant_divergence(self.settings, tenants):
             mine = tenants[tenant]
             self.metrics.convergence_syncs.labels(cause="gateways").inc()

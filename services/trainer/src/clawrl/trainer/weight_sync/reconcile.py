@@ -46,7 +46,8 @@ async def reconcile_adapters(
     if settings.tenants.per_tenant:
         wanted = [
             (t.adapter, t.path)
-            for t in (await read_served_tenants(redis, settings.sync.served_key)).values()
+            for tenant, t in (await read_served_tenants(redis, settings.sync.served_key)).items()
+            if settings.tenants.owns_adapter(tenant)  # a de-selected tenant's is not served
         ]
     if served is not None and served.adapter:
         wanted.insert(0, (served.adapter, served.path))
