@@ -330,6 +330,10 @@ def training_env(args: argparse.Namespace) -> dict[str, str]:
         env |= {"CLAWRL_ADVANTAGE__NORMALIZE_GROUPS": "true", "CLAWRL_ADVANTAGE__GROUP_BY": "batch"}
     elif args.baseline == "none":
         env["CLAWRL_ADVANTAGE__NORMALIZE_GROUPS"] = "false"
+    if args.method != "config":
+        env["CLAWRL_ADVANTAGE__ESTIMATOR"] = ESTIMATORS[args.method]
+    if args.method in ("opd", "combine"):
+        env["CLAWRL_ADVANTAGE__OPD_CLIP"] = str(OPD_CLIP)
     return env
 
 
@@ -355,17 +359,57 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 1) // 3)
 
 
+# The learning methods of `--method` (the judge's mode and the trainer's advantage estimator).
+ESTIMATORS = {"rl": "grpo", "opd": "on_policy_distillation", "combine": "combine"}
+# Hints with no judge model: the corrective sentences of the user's next message (`clawrl
+# simulate`'s user writes "<remark> Next: <question>"; the question is not feedback).
+HINT_FN = "clawrl.judge.hint_examples:corrective_sentences"
+HINT_FN_ARGS = '{"drop_after": "Next:"}'
+OPD_CLIP = 2.0  # OpenClaw-RL's bound on a token's teacher - student gap
+
+
+def needs_judge_engine(args: argparse.Namespace) -> bool:
+    """Whether the judge engine has work: PRM votes (rl and combine without a reward plug-in),
+    hint votes (opd and combine without a hint plug-in), or teaching (--teacher judge)."""
+    if args.method == "config":
+        return True
+    prm = args.method != "opd" and not args.reward_fn
+    hint_votes = args.method != "rl" and not args.hint_fn
+    return prm or hint_votes or (args.method != "rl" and args.teacher == "judge")
+
+
+def judge_env(args: argparse.Namespace) -> dict[str, str]:
+    """The judge's recipe from --method and the plug-in flags (the judge reads CLAWRL_*)."""
+    if args.method == "config":  # mode and reward from clawrl.toml ([judging])
+        return {}
+    env = {"CLAWRL_JUDGING__MODE": args.method, "CLAWRL_JUDGING__PRM": args.judge_prm}
+    if args.reward_fn:
+        env["CLAWRL_JUDGING__REWARD_FN"] = args.reward_fn
+    if args.method == "rl":
+        return env
+    env |= {
+        "CLAWRL_TEACHER__ENGINE": args.teacher,
+        "CLAWRL_TEACHER__POLICY_ENGINE_URL": f"http://127.0.0.1:{args.policy_port}",
+        "CLAWRL_JUDGING__HINT_CANDIDATES": str(args.hint_candidates),
+        "CLAWRL_JUDGING__HINT_SELECT": args.hint_select,
+    }
+    if args.hint_fn:  # the plug-in alone: the 135M judge gives next to no usable hint votes
+        env |= {"CLAWRL_JUDGING__HINT_FN": args.hint_fn, "CLAWRL_JUDGING__HINT_VOTES": "false"}
+        if args.hint_fn == HINT_FN:
+            env["CLAWRL_JUDGING__HINT_FN_ARGS"] = HINT_FN_ARGS
+    return env
+
+
 def start_learning(stack: Stack, args: argparse.Namespace, redis_url: str) -> None:
     """The judge, the trainer and the weight-sync launcher: the loop around serving."""
-    # Mode and reward come from clawrl.toml ([judging], see README "The judge") unless given.
-    judge = ["--mode", "rl", "--reward-fn", args.reward_fn] if args.reward_fn else []
     stack.start(
         "judge",
-        [str(BIN / "clawrl-judge"), "run", "--redis-url", redis_url, *judge,
+        [str(BIN / "clawrl-judge"), "run", "--redis-url", redis_url,
          "--engine-url", f"http://127.0.0.1:{args.judge_port}", "--model", args.policy_model,
          "--judge-model", args.judge_model, "--grpc-port", str(args.judge_grpc_port),
          "--metrics-port", str(args.judge_metrics_port)],
         lambda: http_ok(f"http://127.0.0.1:{args.judge_metrics_port}/healthz"),
+        env=judge_env(args),
         restarts=RESTARTS,
     )  # fmt: skip
     stack.start(
@@ -404,6 +448,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer-metrics-port", type=int, default=30030, help="trainer /metrics")
     parser.add_argument(
         "--sync-metrics-port", type=int, default=30031, help="weight-sync launcher /metrics"
+    )
+    parser.add_argument(
+        "--method",
+        choices=("rl", "opd", "combine", "config"),
+        default="rl",
+        help="how turns become training signal: rl = a reward per turn (--reward-fn, else the "
+        "judge's PRM votes), opd = on-policy distillation from a hindsight hint (--hint-fn, "
+        "else the judge's hint votes) scored by the teacher, combine = both; config = the "
+        "judge's [judging] and the trainer's [advantage] from clawrl.toml",
+    )
+    parser.add_argument(
+        "--hint-fn",
+        default=HINT_FN,
+        help="opd/combine: hint plug-in module:function (judging.hint_fn); '' = the judge's "
+        f"hint votes (default: {HINT_FN}, the corrective sentences of the user's next message)",
+    )
+    parser.add_argument(
+        "--teacher",
+        choices=("policy", "judge"),
+        default="policy",
+        help="opd/combine: who scores the hinted prompt: the policy engine's base weights (no "
+        "adapter; one engine for both) or the judge engine",
+    )
+    parser.add_argument(
+        "--hint-candidates", type=int, default=1, help="opd/combine: hint candidates kept per turn"
+    )
+    parser.add_argument(
+        "--hint-select",
+        choices=("longest", "shortest", "sequence_optimal", "token_optimal"),
+        default="sequence_optimal",
+        help="opd/combine with --hint-candidates > 1: how one is picked (judging.hint_select)",
+    )
+    parser.add_argument(
+        "--judge-prm",
+        choices=("votes", "logprob"),
+        default="votes",
+        help="the PRM's verdict when it scores (no --reward-fn): m sampled votes, or the yes/no "
+        "log-probs of one forward pass (judging.prm)",
     )
     parser.add_argument(
         "--reward-fn",
@@ -540,11 +622,11 @@ def main(argv: list[str] | None = None) -> int:
             ],
             lambda: port_open(args.redis_port),
         )
-        # Both engines load at once: most of a start is single-threaded Python imports.
-        engines = {
-            "policy engine": (args.policy_model, args.policy_port, args.lora_rank),
-            "judge engine": (args.judge_model, args.judge_port, 0),
-        }
+        # Both engines load at once: most of a start is single-threaded Python imports. The
+        # judge engine only when something asks it (see needs_judge_engine).
+        engines = {"policy engine": (args.policy_model, args.policy_port, args.lora_rank)}
+        if needs_judge_engine(args):
+            engines["judge engine"] = (args.judge_model, args.judge_port, 0)
         for name, (model, port, lora_rank) in engines.items():
             argv, env = engine_command(args, model, port, lora_rank)
             stack.launch(name, argv, env)
@@ -579,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             scraped = {
                 "gateway": args.gateway_port,
                 "policy-engine": args.policy_port,
-                "judge-engine": args.judge_port,
+                **({"judge-engine": args.judge_port} if needs_judge_engine(args) else {}),
                 "judge": args.judge_metrics_port,
                 "trainer": args.trainer_metrics_port,
                 "weight-sync": args.sync_metrics_port,

@@ -47,7 +47,9 @@ def stack(tmp_path_factory) -> Iterator[dict[str, int]]:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     # A reward on (nearly) every turn (the e2e learning test's): the 24 turns below make 2
     # steps of 4 and more (a reward of exactly 0, half the tokens preferred, is not trained).
-    args = ("--reward-fn", "tests.e2e.learning_reward:preferred_half", "--batch-size", "4")
+    # combine with the judge engine as teacher: every service and engine has work to show.
+    args = ("--method", "combine", "--teacher", "judge", "--batch-size", "4",
+            "--reward-fn", "tests.e2e.learning_reward:preferred_half")  # fmt: skip
     with local_stack(
         run_dir, ("prometheus", "/-/ready"), *args, env=env, ready_timeout_s=420
     ) as ports:
