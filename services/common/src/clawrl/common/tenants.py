@@ -50,7 +50,8 @@ class TenantSettings(Section):
         8,
         gt=0,
         description="Most tenants with an adapter of their own; samples of further tenants "
-        "train the shared policy (counted) until an adapter is reset.",
+        "train the shared policy (counted) until `clawrl-trainer tenants reset` or `remove` "
+        "frees a slot.",
     )
     min_samples_per_step: int = Field(
         4,
