@@ -103,6 +103,8 @@ def test_simulate_scores_each_version_pinned_on_the_engine(url) -> None:
             assert evaluator.behind(progress)
             assert await evaluator.once(progress.newest_version)
             found.append(evaluator.found[version].score)
+            # The engine also scored the replies on its base weights (fluency kept).
+            assert evaluator.found[version].base_nll > 0
         return found[0], found[1], evaluator.failures
 
     base_score, adapted_score, failures = asyncio.run(scores())
@@ -116,3 +118,39 @@ def OpenAIAsync():
     from openai import AsyncOpenAI
 
     return AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0)
+
+
+def hf_mean_nll(exchanges: list[tuple[str, str]]) -> tuple[float, int]:
+    """The tiny model's mean NLL per reply token, by a plain transformers forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from clawrl.simulate.fluency import renderer_for
+
+    renderer = renderer_for(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(ModelSettings(path=MODEL)))
+    total, tokens = 0.0, 0
+    for question, reply in exchanges:
+        prompt = renderer.render_ids([{"role": "user", "content": question}])
+        ids = renderer.tokenizer.encode(reply, add_special_tokens=False)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        total -= logprobs[torch.arange(len(ids)), torch.tensor(ids)].sum().item()
+        tokens += len(ids)
+    return total / tokens, tokens
+
+
+def test_clawrl_eval_scores_the_replies_base_nll(url, capsys) -> None:
+    """With --engine-url, `clawrl eval` also prints the base model's mean NLL per token of the
+    replies, each one scored after its question with no adapter: the same figure as a plain
+    forward pass, for the base model's replies and for the adapter's."""
+    for lora, version in ((None, 0), ("policy-v3", 3)):
+        replies = greedy_replies(url, lora)
+        assert run_eval(url, "--engine-url", url, *(["--lora", lora] if lora else [])) == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert lines[0] == score_line(version, replies)
+        expected, tokens = hf_mean_nll(list(zip(held_out_questions(), replies, strict=True)))
+        prefix = f"v{version}: base NLL per token "
+        assert lines[1].startswith(prefix) and lines[1].endswith(f" ({tokens} reply tokens)")
+        assert float(lines[1].removeprefix(prefix).split()[0]) == pytest.approx(expected, rel=2e-3)

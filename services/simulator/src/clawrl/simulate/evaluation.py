@@ -35,6 +35,8 @@ class HeldOutScore:
     score: float  # share of the replies that meet the preference
     # How many replies got each complaint (layout, too_short, repetitive): why the rest missed.
     misses: dict[str, int] = field(default_factory=dict, compare=False)
+    # The base model's mean NLL per token of these replies (`clawrl eval --engine-url`).
+    base_nll: float | None = field(default=None, compare=False)
 
     def summary(self) -> str:
         met = round(self.score * self.replies)
@@ -113,6 +115,13 @@ async def held_out_answers(
 
     questions = held_out_questions()
     return list(await asyncio.gather(*(ask(i, q) for i, q in enumerate(questions))))
+
+
+def exchanges_of(answers: list[tuple[int, str]], version: int) -> list[tuple[str, str]]:
+    """(held-out question, reply) of one version, from `held_out_answers`' (version, reply)
+    pairs (in the questions' order)."""
+    return [(question, reply) for question, (v, reply) in zip(held_out_questions(), answers,
+            strict=True) if v == version]  # fmt: skip
 
 
 def complete(found: list[HeldOutScore]) -> list[HeldOutScore]:

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openai
@@ -34,9 +34,11 @@ from clawrl.simulate.evaluation import (
     HeldOutScore,
     adapter_version,
     complete,
+    exchanges_of,
     held_out_answers,
     scores,
 )
+from clawrl.simulate.fluency import FluencyError, base_fluency
 from clawrl.simulate.preference import LINES, PARAGRAPH, Preference
 from clawrl.simulate.report import per_version, plot, table, write_csv
 from clawrl.simulate.scenarios import SCENARIOS
@@ -156,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sim.add_argument(
         "--engine-url",
         help="the policy engine (SGLang API): held-out evaluations ask it, pinned to each "
-        "version's LoRA adapter policy-vN, so no sync can split one (LoRA runs only)",
+        "version's LoRA adapter policy-vN, so no sync can split one, and score the replies' "
+        "mean NLL per token under its base weights (LoRA runs only)",
     )
     sim.add_argument("--samples-stream", default="clawrl:samples", help="samples stream")
     sim.add_argument(
@@ -179,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="against an engine: the adapter to score (policy-vN or tenant-<id>-vN, sent as "
         "lora_path); unset: what the endpoint serves (through the gateway: the current version "
         "of the API key's tenant, as side turns)",
+    )
+    ev.add_argument(
+        "--engine-url",
+        help="the policy engine (SGLang API): also score the replies' mean NLL per token under "
+        "its base weights (no adapter), so a collapse cannot pass for learning (LoRA runs)",
     )
     ev.add_argument(
         "--taste",
@@ -294,10 +302,30 @@ class Evaluator:
             log.warning("held-out evaluation failed: %s", exc)
             return False
         for score in complete(scores(answers, self.taste.judge)):
+            score = await self.with_fluency(score, answers)
             self.found[score.version] = score
+            fluency = "" if score.base_nll is None else f", base NLL {score.base_nll:.3f}/token"
             print(f"{self.label}held-out score of v{score.version}: {score.score:.3f} "
-                  f"({score.summary()})", flush=True)  # fmt: skip
+                  f"({score.summary()}){fluency}", flush=True)  # fmt: skip
         return True
+
+    async def with_fluency(
+        self, score: HeldOutScore, answers: list[tuple[int, str]]
+    ) -> HeldOutScore:
+        """The score with its replies' base-model NLL, when an engine is given; a failure is
+        counted and logged, and the score kept without it."""
+        if self.engine is None:
+            return score
+        try:
+            found = await base_fluency(
+                self.args.engine_url, self.model, exchanges_of(answers, score.version),
+                concurrency=self.args.eval_concurrency,
+            )  # fmt: skip
+        except FluencyError as exc:
+            self.failures += 1
+            log.warning("base NLL of v%d failed: %s", score.version, exc)
+            return score
+        return replace(score, base_nll=found.mean_nll)
 
     def behind(self, progress: Progress, every: int = 1) -> bool:
         """The simulation has seen a version `every` or more newer than every one scored."""
@@ -447,6 +475,17 @@ async def evaluate(args: argparse.Namespace) -> int:
     found = scores(answers, TASTES[args.taste].judge)
     for score in found:
         print(f"v{score.version}: held-out score {score.score:.3f} ({score.summary()})")
+        if args.engine_url:
+            try:
+                fluency = await base_fluency(
+                    args.engine_url, model, exchanges_of(answers, score.version),
+                    concurrency=args.eval_concurrency,
+                )  # fmt: skip
+            except FluencyError as exc:
+                print(f"clawrl eval: base NLL of v{score.version}: {exc}", file=sys.stderr)
+                return 1
+            print(f"v{score.version}: base NLL per token {fluency.mean_nll:.4f} "
+                  f"({fluency.tokens} reply tokens)")  # fmt: skip
     # A sync during the evaluation splits it: no version was scored on every question.
     return 0 if complete(found) else 2
 

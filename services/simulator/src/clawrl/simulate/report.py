@@ -32,6 +32,7 @@ class VersionStats:
     # This user's held-out score under another tenant's adapter of this version number
     # (`clawrl simulate --tenants 2`): isolation keeps it from following this user's taste.
     cross: float | None = None
+    base_nll: float | None = None  # the base model's mean NLL per token of the held-out replies
 
 
 def per_version(
@@ -49,6 +50,7 @@ def per_version(
     for version, reward in rewards:
         scored[version].append(reward)
     evaluated = {s.version: s.score for s in held_out}
+    fluency = {s.version: s.base_nll for s in held_out if s.base_nll is not None}
     crossed = {s.version: s.score for s in cross}
     return [
         VersionStats(
@@ -59,6 +61,7 @@ def per_version(
             reward_mean=sum(scored[v]) / len(scored[v]) if scored[v] else None,
             held_out=evaluated.get(v),
             cross=crossed.get(v),
+            base_nll=fluency.get(v),
         )
         for v in sorted(set(turns) | set(scored) | set(evaluated) | set(crossed))
     ]
@@ -72,17 +75,24 @@ def _crossed(stats: list[VersionStats]) -> bool:
     return any(s.cross is not None for s in stats)
 
 
+def _fluent(stats: list[VersionStats]) -> bool:
+    return any(s.base_nll is not None for s in stats)
+
+
 def table(stats: list[VersionStats], check_name: str = "liked") -> str:
-    crossed = _crossed(stats)
+    crossed, fluent = _crossed(stats), _fluent(stats)
     lines = [
         f"{'version':>7}  {'turns':>6}  {check_name:>8}  {'samples':>7}  {'reward':>7}  "
-        f"{'held-out':>8}" + (f"  {'other adapter':>13}" if crossed else "")
+        f"{'held-out':>8}"
+        + (f"  {'other adapter':>13}" if crossed else "")
+        + (f"  {'base NLL':>8}" if fluent else "")
     ]
     for s in stats:
         lines.append(
             f"{s.version:>7}  {s.turns:>6}  {s.passed:>8.3f}  {s.samples:>7}  "
             f"{_number(s.reward_mean, '+.3f'):>7}  {_number(s.held_out, '.3f'):>8}"
             + (f"  {_number(s.cross, '.3f'):>13}" if crossed else "")
+            + (f"  {_number(s.base_nll, '.3f'):>8}" if fluent else "")
         )
     return "\n".join(lines)
 
@@ -90,13 +100,18 @@ def table(stats: list[VersionStats], check_name: str = "liked") -> str:
 def write_csv(stats: list[VersionStats], path: Path, check_name: str = "liked") -> None:
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
-        crossed = _crossed(stats)
+        crossed, fluent = _crossed(stats), _fluent(stats)
         writer.writerow(
             ["policy_version", "turns", check_name, "samples", "reward_mean", "held_out_score"]
             + (["held_out_other_adapter"] if crossed else [])
+            + (["held_out_base_nll"] if fluent else [])
         )
         for s in stats:
-            scores = [s.reward_mean, s.held_out] + ([s.cross] if crossed else [])
+            scores = (
+                [s.reward_mean, s.held_out]
+                + ([s.cross] if crossed else [])
+                + ([s.base_nll] if fluent else [])
+            )
             cells = ["" if value is None else f"{value:.4f}" for value in scores]
             writer.writerow([s.version, s.turns, f"{s.passed:.4f}", s.samples, *cells])
 
