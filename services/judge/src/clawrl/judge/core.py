@@ -22,11 +22,19 @@ from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
 from clawrl.judge.feedback import TurnFeedback, merged_reward
 from clawrl.judge.hints import HintVote, parse_hint_vote, select_hint
 from clawrl.judge.metrics import JudgeMetrics
-from clawrl.judge.prompts import Budget, JudgeInput, hint_messages, judge_input, prm_messages
+from clawrl.judge.prompts import (
+    Budget,
+    JudgeInput,
+    hint_messages,
+    judge_input,
+    prm_messages,
+    prm_yes_no_messages,
+)
 from clawrl.judge.rewards import RewardFn
 from clawrl.judge.settings import Mode
 from clawrl.judge.teacher import Teacher, TeacherMismatch, TeacherSignal
 from clawrl.judge.turns import MalformedTurn, TurnView
+from clawrl.judge.verdicts import LogprobPRM
 from clawrl.judge.votes import agreement, majority, parse_boxed, wire_votes
 
 MODES = {"rl": SampleMode.SAMPLE_MODE_BINARY_RL, "opd": SampleMode.SAMPLE_MODE_OPD}
@@ -163,6 +171,7 @@ class Judge:
         keep_vote_text: bool = True,
         promote_first_in_session: bool = True,
         feedback: FeedbackSettings | None = None,
+        logprob_prm: LogprobPRM | None = None,
     ) -> None:
         if mode != "rl" and teacher is None:
             raise ValueError(f"mode {mode} needs a teacher (an SGLang-API judge engine)")
@@ -179,6 +188,7 @@ class Judge:
         self.keep_vote_text = keep_vote_text
         self.promote_first_in_session = promote_first_in_session
         self.feedback = feedback or FeedbackSettings(enabled=False)
+        self.logprob_prm = logprob_prm  # set: the PRM score is its yes/no verdict, not votes
 
     async def judge(self, view: TurnView, feedback: TurnFeedback | None = None) -> Judgement:
         """`feedback`: the turn's explicit feedback (worker), None when it is not read."""
@@ -317,7 +327,8 @@ class Judge:
         return j.audit["score"]
 
     async def _judged_score(self, view: TurnView, j: Judgement) -> float | None:
-        """The reward_fn's reward, else the PRM majority (None: no next state to judge)."""
+        """The reward_fn's reward, else the PRM's: the majority of m votes, or the yes/no
+        log-prob verdict with `logprob_prm` (None: no next state to judge)."""
         if self.reward_fn is not None:
             score = await self.reward_fn(view)
             j.sample.reward_source = self.reward_fn.source
@@ -326,6 +337,20 @@ class Judge:
         if not view.has_next_state:
             return None
         data = judge_input(view.messages, view.response_message, view.next_state, self.budget)
+        if self.logprob_prm is not None:
+            prompt = self._fit(view, data, prm_yes_no_messages, "prm")
+            assert prompt.input_ids is not None  # an SGLang-API backend (checked by settings)
+            started = time.perf_counter()
+            verdict = await self.logprob_prm.verdict(prompt.input_ids)
+            elapsed = time.perf_counter() - started
+            self.metrics.judge_latency.labels("prm").observe(elapsed)
+            self.metrics.votes.labels("prm", verdict.outcome).inc()
+            j.timings["prm_s"] = elapsed
+            j.sample.votes[:] = wire_votes([verdict.score])
+            j.sample.reward_source = "prm:logprob"
+            j.audit["prm_logprob"] = verdict.record()
+            j.audit["score"] = verdict.score or 0
+            return float(verdict.score or 0)
         prompt = self._fit(view, data, prm_messages, "prm")
         started = time.perf_counter()
         votes = await self._votes(prompt, "prm", lambda text: (parse_boxed(text), None))

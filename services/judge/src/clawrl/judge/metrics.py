@@ -37,7 +37,8 @@ class JudgeMetrics:
         self.votes = Counter(
             "clawrl_judge_votes_total",
             "Votes asked, by kind (prm, hint) and result (valid, invalid = no parsable "
-            "verdict, failed = the backend rejected it).",
+            "verdict, failed = the backend rejected it). With judging.prm=logprob a turn's PRM "
+            "is one vote: invalid when no yes/no token is among the top log-probs.",
             ["kind", "result"],
             registry=r,
         )

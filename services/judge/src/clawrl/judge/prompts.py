@@ -160,3 +160,22 @@ def hint_messages(data: JudgeInput) -> list[dict[str, str]]:
         {"role": "system", "content": HINT_SYSTEM},
         {"role": "user", "content": _sections(data) + HINT_TASK},
     ]
+
+
+PRM_YES_NO_TASK = """Judge the ASSISTANT'S REPLY, using WHAT CAME NEXT as evidence.
+- A USER message that came next is feedback on the reply. Thanks or approval means the reply was \
+good. Asking for a redo, correcting it ("no, I meant ..."), complaining, or rephrasing the same \
+request means it was bad.
+- A TOOL RESULT that came next exists because the assistant called that tool. A successful, \
+useful result means the call was good. An error caused by the call (wrong tool, bad or missing \
+arguments) means it was bad.
+Was the reply good? Answer with one word: Yes or No."""
+
+
+def prm_yes_no_messages(data: JudgeInput) -> list[dict[str, str]]:
+    """Chat messages asking for a one-word Yes/No PRM answer, read from the first answer
+    token's log-probs (judging.prm = logprob), not sampled."""
+    return [
+        {"role": "system", "content": PRM_SYSTEM},
+        {"role": "user", "content": _sections(data) + PRM_YES_NO_TASK},
+    ]

@@ -28,6 +28,7 @@ from clawrl.judge.server import start_grpc, start_http
 from clawrl.judge.settings import JudgeSettings
 from clawrl.judge.store import JudgeStore, StoreConfig
 from clawrl.judge.teacher import Teacher
+from clawrl.judge.verdicts import LogprobPRM, tokenizer_yes_no_ids
 from clawrl.judge.vocab import TokenizerMismatch, wait_and_check_tokenizer
 from clawrl.judge.worker import JudgeConsumer, Worker, housekeeping
 
@@ -113,11 +114,12 @@ def build_judge(
         assert engine is not None and policy is not None
         teacher = Teacher(engine, policy, settings.teacher.top_k)
     j, p = settings.judging, settings.prompt
+    backend = build_backend(settings, engine, policy)
     return Judge(
         mode=j.mode,
         metrics=metrics,
         votes=j.votes,
-        backend=build_backend(settings, engine, policy),
+        backend=backend,
         teacher=teacher,
         reward_fn=load_reward_fn(j.reward_fn, j.reward_fn_args) if j.reward_fn else None,
         budget=Budget(p.context_messages, p.max_message_chars, p.max_response_chars),
@@ -125,7 +127,21 @@ def build_judge(
         keep_vote_text=settings.audit.keep_vote_text,
         promote_first_in_session=j.promote_first_in_session,
         feedback=settings.feedback,
+        logprob_prm=build_logprob_prm(settings, engine, backend),
     )
+
+
+def build_logprob_prm(
+    settings: JudgeSettings, engine: SGLangClient | None, backend: VoteBackend | None
+) -> LogprobPRM | None:
+    """judging.prm=logprob: the yes/no verdict on the judge engine, with the yes/no ids of the
+    judge model's tokenizer (the backend's renderer, which renders its prompts)."""
+    j = settings.judging
+    if j.prm != "logprob" or not settings.uses_prm:
+        return None
+    assert engine is not None and isinstance(backend, SGLangVotes)  # checked by the settings
+    ids = tokenizer_yes_no_ids(backend.renderer.tokenizer)
+    return LogprobPRM(engine, ids, top_k=j.prm_top_logprobs, margin=j.prm_margin)
 
 
 def build_store(

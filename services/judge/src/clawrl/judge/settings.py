@@ -32,6 +32,25 @@ class JudgingSettings(Section):
         description="Keyword arguments passed to reward_fn on every call (e.g. {word = 'ok'}).",
     )
     votes: int = Field(3, ge=1, le=32, description="m: PRM (or hint) votes per turn.")
+    prm: Literal["votes", "logprob"] = Field(
+        "votes",
+        description="How the PRM score is made: votes (m sampled answers ending in \\boxed{}, "
+        "by majority) or logprob (one forward pass of a yes/no prompt on the judge engine: "
+        "the probabilities of its yes-like and no-like first tokens; needs backend.kind=sglang).",
+    )
+    prm_margin: float = Field(
+        0.2,
+        ge=0.0,
+        lt=0.5,
+        description="prm=logprob: +1 when the yes share p_yes/(p_yes+p_no) is above 0.5 + this, "
+        "-1 when below 0.5 - this, else 0.",
+    )
+    prm_top_logprobs: int = Field(
+        20,
+        ge=1,
+        description="prm=logprob: top log-probs read at the first answer token; a yes/no token "
+        "outside them counts as probability 0 (neither in them: no verdict, counted invalid).",
+    )
     promote_first_in_session: bool = Field(
         True,
         description="rl: a session's first 0-scored turn with a next state is trained (reward "
@@ -217,6 +236,11 @@ class JudgeSettings(ClawrlSettings):
                 "SGLang-API engine gives: set backend.engine_url (an OpenAI-compatible API "
                 "cannot score a given response)"
             )
+        if self.uses_prm and self.judging.prm == "logprob" and b.kind != "sglang":
+            raise ValueError(
+                "judging.prm=logprob reads the judge model's next-token log-probs, which only "
+                "an SGLang-API engine gives: set backend.kind=sglang"
+            )
         if self.needs_votes and b.kind == "sglang" and not b.engine_url:
             raise ValueError("backend.kind=sglang needs backend.engine_url")
         if self.needs_votes and b.kind == "openai" and not (b.openai_base_url and b.openai_model):
@@ -234,6 +258,11 @@ class JudgeSettings(ClawrlSettings):
         """PRM votes are asked unless a reward_fn replaces them; hint votes always in opd and
         combine."""
         return self.needs_teacher or not self.judging.reward_fn
+
+    @property
+    def uses_prm(self) -> bool:
+        """The PRM scores turns: rl and combine, unless a reward_fn replaces it."""
+        return self.judging.mode != "opd" and not self.judging.reward_fn
 
     @property
     def vote_model(self) -> ModelSettings:
