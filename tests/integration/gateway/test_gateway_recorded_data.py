@@ -196,7 +196,7 @@ def test_streamed_turn_is_stored_before_its_finish_chunk(slow_redis_gateway, eng
                 break
         request_id = event["id"]
         # The finish chunk is here, [DONE] is not read yet: the turn must already be pending.
-        pending = gateway.redis.hget(f"test:slow-redis:s:{session_id}", "tid")
+        pending = gateway.redis.hget(f"test:slow-redis:s:-:{session_id}", "tid")
         assert pending == turn_of(session_id, request_id, 0).encode()
         # ... and a next request sent now finds it and finalises it with its next state.
         history = [*messages, {"role": "assistant", "content": "".join(content)}, user("next")]
@@ -310,4 +310,4 @@ def test_a_stream_the_client_leaves_is_still_the_next_state(gateway, session_id)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
     assert json.loads(turn.next_state_json) == user("two")
     # The stream did not finish: no turn of its own is pending.
-    assert gateway.redis.hget(f"test:main:s:{session_id}", "tid") is None
+    assert gateway.redis.hget(f"test:main:s:-:{session_id}", "tid") is None

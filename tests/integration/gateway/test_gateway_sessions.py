@@ -111,7 +111,7 @@ def test_a_session_id_back_after_its_state_expired_gets_new_turn_ids(
 
     replies = two_turns("one")
     assert len(gateway.wait_turns(session_id, 2)) == 2
-    gateway.redis.delete(f"test:main:s:{session_id}")  # the session's state, as its TTL would
+    gateway.redis.delete(f"test:main:s:-:{session_id}")  # the session's state, as its TTL would
     replies += two_turns("two")
     turns = gateway.wait_turns(session_id, 4)
     ids = [t.turn_id for t in turns]

@@ -14,7 +14,13 @@ from redis.asyncio import Redis
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from clawrl.common.records import Turn, decode_entry, turn_id
 from clawrl.gateway.recording import finalize_extra
-from clawrl.gateway.sessions import SessionStore, extend_hash, history_hashes, session_epoch
+from clawrl.gateway.sessions import (
+    SessionStore,
+    extend_hash,
+    history_hashes,
+    session_epoch,
+    session_member,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +95,7 @@ async def test_a_session_whose_state_expired_gets_new_turn_ids(store):
     under the epoch of the request that made the new state: no id repeats an earlier turn's."""
     await store_turn(store, "req-0", "s")
     await store_turn(store, "req-1", "s", done=DONE)
-    await store.redis.delete(store.session_key("s"))  # as its TTL would
+    await store.redis.delete(store.session_key("s", "-"))  # as its TTL would
     await store_turn(store, "req-2", "s")
     await store_turn(store, "req-3", "s", done=DONE)
     ids = [t.turn_id for t in await published(store)]
@@ -102,7 +108,7 @@ async def test_a_retried_pending_store_does_not_supersede_itself(store):
     again = await store_turn(store, "req-1", "s")
     assert again == first and first.superseded_turn_id is None
     assert await published(store) == []
-    assert await store.redis.hget(store.session_key("s"), "next") == b"1"
+    assert await store.redis.hget(store.session_key("s", "-"), "next") == b"1"
 
 
 async def test_a_retried_advance_does_not_finalise_a_later_turn(store):
@@ -115,14 +121,14 @@ async def test_a_retried_advance_does_not_finalise_a_later_turn(store):
     again = await advance(store, "req-1", "s", prefixes=("h2",))
     assert again == first
     assert [t.turn_id for t in await published(store)] == [tid("req-0", 0)]
-    assert await store.redis.hget(store.session_key("s"), "tid") == tid("req-0", 1).encode()
+    assert await store.redis.hget(store.session_key("s", "-"), "tid") == tid("req-0", 1).encode()
 
 
 async def test_a_retried_finalize_publishes_once(store):
     await store_turn(store, "req-0", "s")
-    assert await store.finalize("req-1", "s", DONE) == tid("req-0", 0)
+    assert await store.finalize("req-1", session_member("-", "s"), DONE) == tid("req-0", 0)
     await store_turn(store, "req-2", "s")
-    assert await store.finalize("req-1", "s", DONE) == tid("req-0", 0)
+    assert await store.finalize("req-1", session_member("-", "s"), DONE) == tid("req-0", 0)
     assert [t.turn_id for t in await published(store)] == [tid("req-0", 0)]
 
 
@@ -169,7 +175,7 @@ async def test_two_live_sessions_of_one_caller_on_one_history_are_not_guessed(st
     assert await published(store) == []
     # Sequential sessions with one opening are not ambiguous: the first one moved on.
     await store_turn(store, "req-6", "t1", history="opening")
-    await store.finalize("req-7", "t1", DONE)
+    await store.finalize("req-7", session_member("-", "t1"), DONE)
     second = await store_turn(store, "req-8", "t2", text="t2", history="opening")
     assert not second.claim_ambiguous
     assert (await advance(store, "req-9", prefixes=("opening",))).session_id == "t2"
@@ -230,3 +236,51 @@ async def test_a_failed_request_still_answers_and_closes_its_session(store):
     [turn] = await published(store)
     assert turn.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE
     assert await store.redis.zscore(store.active_key, "s") is None
+
+
+async def test_one_session_id_names_a_session_of_each_caller(store):
+    """Two callers sending the same session id have two sessions: the second's request neither
+    finalises the first's pending turn nor closes it, and each numbers its own turns."""
+    alice, bob = "a" * 24, "b" * 24
+    await record(store, "a-0", "main", scope=alice, turn=turn_bytes("alice"), history_hash="ha")
+    bob_first = await record(
+        store, "b-0", "main", scope=bob, turn=turn_bytes("bob"), history_hash="hb", done=DONE
+    )
+    assert bob_first.finalized_turn_id is None and bob_first.turn_id == tid("b-0", 0, "main")
+    assert await store.finalize("b-1", session_member(bob, "main"), DONE) is None
+    assert [t.response_text for t in await published(store)] == ["bob"]  # done at once
+    alice_next = await advance(store, "a-1", "main", scope=alice, prefixes=("ha",))
+    assert alice_next.finalized_turn_id == tid("a-0", 0, "main")
+    assert not alice_next.history_mismatch
+    assert [t.response_text for t in await published(store)] == ["bob", "alice"]
+
+
+async def test_a_retry_of_the_pending_request_finalises_it_as_an_orphan(store):
+    """A request with the pending turn's own history is its client retrying it: the pending
+    turn is finalised as superseded (no next state, no mismatch), the retry's turn is pending."""
+    await store_turn(store, "req-0", "s")
+    retried = dict(turn=turn_bytes("first"), history_hash="h1", request_hash="q1")
+    await record(store, "req-1", "s", **retried)
+    again = await record(store, "req-2", "s", **{**retried, "turn": turn_bytes("retry")})
+    assert again.orphaned_turn_id == tid("req-0", 1) and again.finalized_turn_id is None
+    assert not again.history_mismatch and again.turn_id == tid("req-0", 2)
+    turns = {t.response_text: t for t in await published(store)}
+    assert set(turns) == {"r", "first"}
+    orphan = turns["first"]
+    assert orphan.finalize_reason == FinalizeReason.FINALIZE_REASON_SUPERSEDED
+    assert not orphan.next_state_json and not orphan.history_mismatch
+    # The retry's own turn is the pending one: the next request extends it as usual.
+    follow = await advance(store, "req-3", "s", prefixes=("h1",))
+    assert follow.finalized_turn_id == tid("req-0", 2) and not follow.history_mismatch
+
+
+async def test_a_session_left_by_an_older_gateway_is_still_swept(store):
+    """Before sessions were per caller, a session's state and active-set member were keyed by
+    the bare session id: the idle sweep's finalize still publishes the turn it left pending."""
+    shard_prefix = store.prefixes[0]
+    stored = Turn(turn_id="old:e:0", session_id="old", response_text="old").SerializeToString()
+    await store.redis.hset(f"{shard_prefix}:s:old", mapping={"turn": stored, "tid": "old:e:0"})
+    await store.redis.zadd(store.active_key, {"old": 1.0})
+    assert await store.finalize("sweep-1", "old", DONE, idle_cutoff=2.0) == "old:e:0"
+    assert [t.turn_id for t in await published(store)] == ["old:e:0"]
+    assert await store.redis.zcard(store.active_key) == 0

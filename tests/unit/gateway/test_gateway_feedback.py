@@ -107,4 +107,4 @@ def test_what_the_store_script_touches_is_in_the_shard_of_the_turns_session() ->
         turn = f"{session}:0123abcd:7"
         assert session_of(turn) == session
         slots = {key_slot(key.encode()) for key in service._keys(turn)}
-        assert slots == {key_slot(sessions.session_key(session).encode())}
+        assert slots == {key_slot(sessions.session_key(session, "-").encode())}

@@ -38,6 +38,7 @@ from clawrl.gateway.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
+    PayloadTooLarge,
     Unauthorized,
     to_anthropic,
     to_http,
@@ -121,13 +122,26 @@ class SSEResponse(StreamingResponse):
             await self._release()
 
 
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
+async def read_body(receive: Receive, headers: Headers, limit: int) -> bytes:
+    """The request body, refused (413) past `limit` bytes: by its Content-Length before any of
+    it is read, else (chunked) as soon as what arrived passes the limit."""
+    too_large = PayloadTooLarge(
+        f"the request body is larger than this gateway's limit of {limit} bytes "
+        "(serving.max_body_bytes)"
+    )
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -183,7 +197,7 @@ class GatewayApp:
                 raise MethodNotAllowed(f"method {scope['method']} not allowed here")
             headers = Headers(scope=scope)
             authorize(gateway, headers)
-            body = await read_body(receive)
+            body = await read_body(receive, headers, gateway.settings.serving.max_body_bytes)
             if path == RESPONSES_ROUTE:
                 return await respond_responses(gateway, body, headers, started)
             if path == MESSAGES_ROUTE:
@@ -194,6 +208,8 @@ class GatewayApp:
             response_body, response_headers = await gateway.service.complete(chat)
             return json_response(response_body, headers=response_headers)
         except Exception as exc:
+            if isinstance(exc, PayloadTooLarge):
+                oversized(gateway, path)
             shape = to_anthropic if path == MESSAGES_ROUTE else to_http
             return error_response(exc, gateway.settings.serving.retry_after_s, shape)
 
@@ -230,6 +246,12 @@ async def respond_responses(
     if save is not None:
         await save(done)
     return json_response(response_body(request, done, service.model_name), headers=done.headers)
+
+
+def oversized(gateway: Gateway, route: str) -> None:
+    gateway.metrics.oversized_requests.labels(route).inc()
+    log.warning("a request to %s was refused: its body is over serving.max_body_bytes (%d)",
+                route, gateway.settings.serving.max_body_bytes)  # fmt: skip
 
 
 def store_response(gateway: Gateway, request: ResponsesRequest):
@@ -470,6 +492,7 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             collector.uninstall(metrics.registry)
             sweeper.cancel()
             replayer.cancel()
+            await recorder.drain()  # writes whose clients left: recorded, or spooled below
             if recorder.spool is not None:
                 await recorder.replay_spool()  # what Redis takes now need not wait for a restart
                 recorder.spool.close()
@@ -513,8 +536,12 @@ def create_app(settings: GatewaySettings, renderer: ChatRenderer | None = None) 
             authorize(gateway, request.headers)
             if gateway.feedback is None:
                 raise NotFound("feedback is off on this gateway (feedback.enabled = false)")
-            body = await gateway.feedback.handle(await request.body(), request.headers)
+            limit = gateway.settings.serving.max_body_bytes
+            posted = await read_body(request.receive, request.headers, limit)
+            body = await gateway.feedback.handle(posted, request.headers)
         except Exception as exc:
+            if isinstance(exc, PayloadTooLarge):
+                oversized(gateway, FEEDBACK_ROUTE)
             return error_response(exc, gateway.settings.serving.retry_after_s)
         return json_response(body)
 

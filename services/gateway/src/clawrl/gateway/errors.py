@@ -60,6 +60,14 @@ class MethodNotAllowed(GatewayError):
     code = "method_not_allowed"
 
 
+class PayloadTooLarge(GatewayError):
+    """A request body over serving.max_body_bytes."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class Overloaded(GatewayError):
     """Held past the hold timeout while paused for a weight sync."""
 

@@ -4,9 +4,11 @@ turn unless `turn_index` says which).
 
 Only the caller that made the turn may rate it (the same API key and `user` as the request:
 `caller_scope`); any other caller gets the 404 of an id that does not exist, so nobody learns
-which ids exist. A POST is idempotent by its feedback id (`Idempotency-Key` header, body
-`feedback_id`, else a hash of the turn and the content): a retry gets the first answer and
-stores nothing twice; reusing an id for other content is a 409.
+which ids exist. By session id, the sender's own session of that id is read (sessions are per
+caller, sessions.py): another caller's turns are not in it, whatever session id they share. A
+POST is idempotent by its feedback id (`Idempotency-Key` header, body `feedback_id`, else a hash
+of the turn and the content): a retry gets the first answer and stores nothing twice; reusing an
+id for other content is a 409.
 
 Where it goes (clawrl.common.feedback): before the judge published the turn's sample, into the
 turn's feedback hash, which the judge merges; after, it is late: kept, written to the audit
@@ -323,10 +325,10 @@ class FeedbackService:
             found_id, _, scope = found.decode().partition("\n")
             return found_id if owned(scope, request.scope) else self._not_found(missing)
         assert request.session_id is not None
-        epoch, next_index, owner = await self.redis.hmget(
-            self.sessions.session_key(request.session_id), "epoch", "next", "owner"
+        epoch, next_index = await self.redis.hmget(
+            self.sessions.session_key(request.session_id, request.scope), "epoch", "next"
         )
-        if epoch is None or next_index is None or not owned(owner, request.scope):
+        if epoch is None or next_index is None:
             return self._not_found(missing)
         count = int(next_index)
         index = count - 1 if request.turn_index is None else request.turn_index

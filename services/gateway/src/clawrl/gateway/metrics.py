@@ -22,6 +22,12 @@ class GatewayMetrics:
             ["route", "status"],
             registry=r,
         )
+        self.oversized_requests = Counter(
+            "clawrl_gateway_oversized_requests_total",
+            "Requests refused with 413: a body over serving.max_body_bytes, by route.",
+            ["route"],
+            registry=r,
+        )
         self.latency = Histogram(
             "clawrl_gateway_request_duration_seconds",
             "Time from request to full response, by route.",
@@ -85,6 +91,12 @@ class GatewayMetrics:
             "clawrl_gateway_recording_failures_total",
             "Recording steps that failed (Redis unavailable, ...); serving went on.",
             ["stage"],
+            registry=r,
+        )
+        self.recording_detached = Counter(
+            "clawrl_gateway_recording_detached_total",
+            "Recording writes whose client left mid-write (cancelling the request); each "
+            "went on in the background, so its turn was recorded or spooled all the same.",
             registry=r,
         )
         # The recording spool (spool.py): calls Redis did not take, replayed when it is back.

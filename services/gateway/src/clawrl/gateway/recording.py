@@ -2,7 +2,9 @@
 served, and finalised (put on the turns stream) by the session's next main request, by
 X-Session-Done, or by the idle sweep. Redis trouble never fails a request: the step is counted
 and logged, the script call waits in the local spool (spool.py), and it is replayed in order
-when Redis answers again (redis-py reconnects by itself)."""
+when Redis answers again (redis-py reconnects by itself). A write outlives its request: a client
+that hangs up while its turn is being written (which cancels the request) leaves the write
+running to its end in the background, so the turn is recorded or spooled, never lost."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -29,6 +31,8 @@ from clawrl.gateway.sessions import (
     assistant_prefixes,
     extend_hash,
     history_hashes,
+    member_session_id,
+    session_member,
 )
 from clawrl.gateway.spool import RecordingSpool, SpooledCall
 
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 # Failures worth degrading on, not crashing: Redis down or slow, a script error.
 RECORDING_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 MISMATCH = Turn(history_mismatch=True).SerializeToString()
+T = TypeVar("T")
 
 
 def next_state_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -270,14 +275,7 @@ class Recorder:
         served turn as pending (or publish it at once when the session is done), in one round
         trip; returns its turn id, None when recording failed."""
         result = await self._record(context, served)
-        if result is None:
-            return None
-        self.metrics.turns_recorded.inc()
-        if result.claim_ambiguous:
-            self._ambiguous("claim", context.session_id)
-        if context.done:
-            self._finalized("done", result.turn_id)
-        return result.turn_id
+        return None if result is None else result.turn_id
 
     async def abandon(self, context: TurnContext) -> None:
         """A main request that failed (or whose client left) records no turn, but it is still
@@ -320,12 +318,16 @@ class Recorder:
             "new_session_id": context.session_id,
             "turn": turn,
             "history_hash": history_hash,
+            "request_hash": context.hashes[-1],
             "done": finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
             if context.done
             else b"",
         })  # fmt: skip
         if self._queue_behind_spool(call):
             return None
+        return await self._outliving_request(self._write(context, call), context.session_id)
+
+    async def _write(self, context: TurnContext, call: SpooledCall) -> Recorded | None:
         try:
             result = await self._recorded(call)
         except RECORDING_ERRORS as exc:
@@ -337,9 +339,45 @@ class Recorder:
             self._ambiguous("new_session", context.session_id)
         return result
 
+    async def _outliving_request(self, write: Coroutine[Any, Any, T], session_id: str) -> T:
+        """Await a recording write that runs on when the request awaiting it is cancelled.
+        The write is marked settled before it starts (nothing else may write for the request),
+        so a cancelled await that stopped it would lose the turn: a streaming client hanging
+        up mid-write cancels the request, and CancelledError is no recording error."""
+        task = asyncio.create_task(write)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.metrics.recording_detached.inc()
+            log.info("the client left while its turn was being written: the write goes on "
+                     "in the background", extra={"session_id": session_id})  # fmt: skip
+            raise
+
+    async def drain(self) -> None:
+        """Wait for the writes that outlived their requests (the gateway is stopping)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     async def _recorded(self, call: SpooledCall) -> Recorded:
-        """Run a record call (live or replayed) and count what it finalised."""
+        """Run a record call (live or replayed) and count what it stored and finalised."""
         result = await self.store.record(**call.kwargs)
+        if call.kwargs["turn"]:
+            self.metrics.turns_recorded.inc()
+        if result.claim_ambiguous:
+            self._ambiguous("claim", result.session_id)
+        if call.kwargs["done"]:
+            self._finalized("done", result.turn_id)
+        if result.orphaned_turn_id:
+            # The client retried the request of the pending turn (same caller, session and
+            # history): it never used that reply. Finalised as SUPERSEDED (no next state), so
+            # it is neither trained a second time beside the retry's turn nor given the retry's
+            # own prompt as its next state.
+            self._finalized("retry_orphan", result.orphaned_turn_id)
+            log.info("turn %s finalised as a retry's orphan: the next request repeated its "
+                     "history", result.orphaned_turn_id,
+                     extra={"session_id": result.session_id})  # fmt: skip
         if result.finalized_turn_id:
             self._finalized("next_state", result.finalized_turn_id)
             if result.history_mismatch:
@@ -364,24 +402,31 @@ class Recorder:
             extra={"session_id": session_id},
         )
 
-    async def close(self, request_id: str, session_id: str) -> str | None:
-        """X-Session-Done on a request that records nothing: finalise the pending turn."""
+    async def close(self, request_id: str, session_id: str, scope: str) -> str | None:
+        """X-Session-Done on a request that records nothing: finalise the pending turn of the
+        caller's (`scope`'s) session."""
         call = SpooledCall("finalize", {
             "request_id": request_id,
-            "session_id": session_id,
+            "member": session_member(scope, session_id),
             "extra": finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE),
         })  # fmt: skip
         if self._queue_behind_spool(call):
             return None
+        return await self._outliving_request(self._close_now(call), session_id)
+
+    async def _close_now(self, call: SpooledCall) -> str | None:
         try:
             return await self._closed(call)
         except RECORDING_ERRORS as exc:
-            self._failed("done", exc, session_id)
+            self._failed("done", exc, member_session_id(call.kwargs["member"]))
             self._spool(call)
             return None
 
     async def _closed(self, call: SpooledCall) -> str | None:
-        turn_id = await self.store.finalize(**call.kwargs)
+        kwargs = dict(call.kwargs)
+        if "session_id" in kwargs:  # spooled before sessions were per caller: a bare member
+            kwargs["member"] = kwargs.pop("session_id")
+        turn_id = await self.store.finalize(**kwargs)
         self._finalized("done", turn_id)
         return turn_id
 
@@ -399,6 +444,8 @@ class Recorder:
         if self.spool is None:
             return
         session_id = call.kwargs.get("session_id") or call.kwargs.get("new_session_id")
+        if "member" in call.kwargs:
+            session_id = member_session_id(call.kwargs["member"])
         if self.spool.append(call):
             self.metrics.spooled.labels(call.op).inc()
         else:
@@ -415,13 +462,7 @@ class Recorder:
 
     async def _replay_one(self, call: SpooledCall) -> None:
         if call.op == "record":
-            result = await self._recorded(call)
-            if call.kwargs["turn"]:
-                self.metrics.turns_recorded.inc()
-            if result.claim_ambiguous:
-                self._ambiguous("claim", result.session_id)
-            if call.kwargs["done"]:
-                self._finalized("done", result.turn_id)
+            await self._recorded(call)
         else:
             await self._closed(call)
         self.metrics.spool_replayed.labels(call.op).inc()
@@ -448,14 +489,15 @@ class Recorder:
         cutoff = time.time() - self.idle_timeout_s
         finalized = 0
         extra = finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_IDLE_TIMEOUT)
-        for session_id in await self.store.idle_sessions(cutoff, self.sweep_batch):
+        for member in await self.store.idle_sessions(cutoff, self.sweep_batch):
             turn_id = await self.store.finalize(
-                f"sweep-{uuid.uuid4().hex}", session_id, extra, idle_cutoff=cutoff
+                f"sweep-{uuid.uuid4().hex}", member, extra, idle_cutoff=cutoff
             )
             if turn_id:
                 finalized += 1
                 self._finalized("idle", turn_id)
-                log.info("turn %s finalised: idle", turn_id, extra={"session_id": session_id})
+                log.info("turn %s finalised: idle", turn_id,
+                         extra={"session_id": member_session_id(member)})  # fmt: skip
         self.metrics.active_sessions.set(await self.store.active_count())
         return finalized
 

@@ -292,7 +292,9 @@ class ChatService:
             return {}
         if turn is None:
             if request.session.session_done and request.session.session_id:
-                await self.recorder.close(request_id, request.session.session_id)
+                await self.recorder.close(
+                    request_id, request.session.session_id, request.session.scope
+                )
             return {}
         # The engine's version at the end; a sync that retracted this generation made it newer
         # than the one it started under (the judge masks such mixed turns). With an adapter,
@@ -347,7 +349,7 @@ class ChatService:
         if turn is not None:
             await self.recorder.abandon(turn)
         elif request.session.session_done and request.session.session_id:
-            await self.recorder.close(request_id, request.session.session_id)
+            await self.recorder.close(request_id, request.session.session_id, request.session.scope)
 
     # --- non-streaming ------------------------------------------------------------------
 

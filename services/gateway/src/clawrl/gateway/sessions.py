@@ -3,16 +3,21 @@
 Keys (prefix `{p}` = `clawrl:gw` by default; sharded, each shard's prefix: `clawrl:gw:{s0}`,
 see common/shards.py; a session's keys are in the shard of its id, its turns go to that shard's
 turn stream):
-- `{p}:s:{session_id}` hash, TTL refreshed on each request: `next` (index of the session's next
-  main turn), `epoch` (made with the state, from its first request's id: turn ids are
+- `{p}:s:{scope}:{session_id}` hash, one per caller (`scope`: caller_scope, a hash of its API key
+  and `user`) and session id: two callers who send the same `X-Session-Id` have two sessions,
+  and neither can finalise, close or rate the other's turns. The session id itself stays the
+  client's (Turn.session_id, turn ids, X-Session-Id): a turn id is unique all the same, its epoch
+  being drawn per session state. TTL refreshed on each request: `next` (index of the session's
+  next main turn), `epoch` (made with the state, from its first request's id: turn ids are
   `{session_id}:{epoch}:{index}`, so a session id whose state expired and that comes back gets
   new ids, never those of turns already judged or trained), and while a turn awaits its next
   state: `turn` (the serialised `Turn`, without
   turn id/index or finalisation fields), `tid` (its turn id), `hist` (hash of the history it
-  ends, assistant reply included), `at` (when it was stored).
-- `{p}:active` sorted set: session id -> time of last request; every replica sweeps it for
-  sessions idle past the timeout.
-- `{p}:pending-hist` hash: session id -> `hist` of its pending turn (the claim check of
+  ends, assistant reply included), `req` (hash of its request's history: a request with the same
+  history is the client retrying it), `at` (when it was stored).
+- `{p}:active` sorted set: session member (`{scope}:{session_id}`, session_member) -> time of
+  last request; every replica sweeps it for sessions idle past the timeout.
+- `{p}:pending-hist` hash: session member -> `hist` of its pending turn (the claim check of
   another session reads it here: a script touches only keys it is given).
 - `{p}:c:{scope}:{history_hash}` -> session id: the conversation of one caller (`scope`, a hash
   of its API key and `user`) that ended with that assistant reply, so a client that sends no
@@ -24,8 +29,11 @@ turn stream):
   no-op that returns it.
 - `{p}:fb:{request_id}` -> `{turn_id}\n{scope}` of a recorded main turn, kept the feedback TTL:
   POST /v1/feedback finds a turn by the response id its client got back, and only that caller
-  may rate it (the session hash's `owner` field is the scope that made the state, for feedback
-  by session id).
+  may rate it (by session id, the caller's own session state names its turns).
+
+A gateway from before sessions were per caller kept `{p}:s:{session_id}` with the bare session id
+as its member: such a member names that key (session_key_of_member), so the idle sweep still
+finalises the turns it left pending.
 
 Exactly once: a pending turn only leaves Redis inside a Lua script that reads it, deletes it and
 XADDs the finished record in one atomic step (Redis runs one script at a time), so of two
@@ -42,6 +50,7 @@ hash slot), so the scripts run unchanged on a cluster.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +65,8 @@ from clawrl.common.shards import Shards
 
 TURN_TYPE = Turn.DESCRIPTOR.full_name
 SCRIPTS = ("record", "finalize")
+# A session member: the caller's scope (caller_scope: "-" or 24 hex digits), then the session id.
+MEMBER = re.compile(r"(-|[0-9a-f]{24}):(.*)", re.DOTALL)
 
 
 def load_script(name: str) -> str:
@@ -142,6 +153,19 @@ def caller_scope(credential: str | None, user: str | None) -> str:
     return digest.hexdigest()
 
 
+def session_member(scope: str, session_id: str) -> str:
+    """The name of one caller's session in Redis (active set, pending-history index, state key):
+    the session id a client sends names a session of that caller only."""
+    return f"{scope}:{session_id}"
+
+
+def member_session_id(member: str) -> str:
+    """The client's session id of a session member (a member written before sessions were per
+    caller is the bare session id)."""
+    scoped = MEMBER.fullmatch(member)
+    return scoped.group(2) if scoped else member
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What the record script did for one main request."""
@@ -153,6 +177,7 @@ class Recorded:
     turn_id: str | None  # this request's turn (None when it failed and stored nothing)
     superseded_turn_id: str | None  # a concurrent request's turn, stored after this one arrived
     claim_ambiguous: bool  # another live session of the caller ends the same history
+    orphaned_turn_id: str | None = None  # the pending turn this request retried (same history)
 
 
 class SessionStore:
@@ -187,8 +212,13 @@ class SessionStore:
         self.active_key = self.active_keys[0]
         self._scripts = {name: redis.register_script(load_script(name)) for name in SCRIPTS}
 
-    def session_key(self, session_id: str) -> str:
-        return f"{self.prefixes[self.shards.of(session_id)]}:s:{session_id}"
+    def session_key(self, session_id: str, scope: str) -> str:
+        """The state of caller `scope`'s session `session_id`."""
+        return self.member_key(session_member(scope, session_id))
+
+    def member_key(self, member: str) -> str:
+        """The state of a session member, in the shard of its session id."""
+        return f"{self.prefixes[self.shards.of(member_session_id(member))]}:s:{member}"
 
     def conversation_key(self, scope: str, history_hash: str, shard: int = 0) -> str:
         return f"{self.prefixes[shard]}:c:{scope}:{history_hash}"
@@ -199,15 +229,15 @@ class SessionStore:
     def request_key(self, request_id: str, step: str, shard: int) -> str:
         return f"{self.prefixes[shard]}:r:{request_id}:{step}"
 
-    def _keys(self, request_id: str, step: str, session_id: str) -> list[str]:
+    def _keys(self, request_id: str, step: str, member: str) -> list[str]:
         """The keys both scripts touch, all in the session's shard (common.lua)."""
-        shard = self.shards.of(session_id)
+        shard = self.shards.of(member_session_id(member))
         return [
             self.active_keys[shard],
             self.streams[shard],
             self.request_key(request_id, step, shard),
             self.feedback_index_key(request_id, shard),
-            self.session_key(session_id),
+            self.member_key(member),
             f"{self.prefixes[shard]}:pending-hist",
         ]
 
@@ -249,6 +279,7 @@ class SessionStore:
         new_session_id: str,
         turn: bytes = b"",
         history_hash: str = "",
+        request_hash: str = "",
         done: bytes = b"",
         now: float | None = None,
     ) -> Recorded:
@@ -256,17 +287,19 @@ class SessionStore:
         trip more: `new_session_id` when no live conversation of the caller matches), finalise the
         turn pending there (with `next_state`, or as superseded when it was stored after
         `arrived`), then store `turn` (none: the request failed) as pending, or publish it with
-        `done` appended. A failed request with `done` closes its session. `now`: when the call
-        was made (a call replayed from the spool keeps its time, so the pending turn it stores
-        still precedes the next request's `arrived`)."""
+        `done` appended. A failed request with `done` closes its session. `request_hash`: the
+        hash of the request's whole history: a pending turn whose request had the same one is a
+        retry's orphan, finalised as superseded (the client never used its reply). `now`: when
+        the call was made (a call replayed from the spool keeps its time, so the pending turn it
+        stores still precedes the next request's `arrived`)."""
         owner, ambiguous = None, False
         if not session_id and prefixes:
             owner, ambiguous = await self.resolve(request_id, scope, prefixes)
         session_id = session_id or owner or new_session_id
         shard = self.shards.of(session_id)
-        sid, tid, mismatched, ambiguous, turn_id, old, claim = await self._scripts["record"](
+        reply = await self._scripts["record"](
             keys=[
-                *self._keys(request_id, "record", session_id),
+                *self._keys(request_id, "record", session_member(scope, session_id)),
                 self.conversation_key(scope, history_hash, shard),
             ],
             args=[
@@ -279,7 +312,7 @@ class SessionStore:
                 " ".join(prefixes),
                 next_state,
                 mismatch,
-                "",
+                request_hash,
                 self.dedupe_ttl_s,
                 arrived,
                 superseded,
@@ -290,6 +323,8 @@ class SessionStore:
                 self.feedback_ttl_s,
             ],
         )
+        sid, tid, mismatched, ambiguous, turn_id, old, claim = reply[:7]
+        orphan = reply[7] if len(reply) > 7 else ""  # a result replayed from an older script
         return Recorded(
             session_id=_text(sid),
             finalized_turn_id=_text(tid) or None,
@@ -298,18 +333,20 @@ class SessionStore:
             turn_id=_text(turn_id) or None,
             superseded_turn_id=_text(old) or None,
             claim_ambiguous=bool(claim),
+            orphaned_turn_id=_text(orphan) or None,
         )
 
     async def finalize(
-        self, request_id: str, session_id: str, extra: bytes, idle_cutoff: float | None = None
+        self, request_id: str, member: str, extra: bytes, idle_cutoff: float | None = None
     ) -> str | None:
-        """Publish the session's pending turn with `extra` appended; its turn id, or None when
-        there was none (or, with a cutoff, the session was touched after it)."""
+        """Publish the pending turn of session `member` (session_member) with `extra` appended;
+        its turn id, or None when there was none (or, with a cutoff, the session was touched
+        after it)."""
         tid = await self._scripts["finalize"](
-            keys=self._keys(request_id, "finalize", session_id),
+            keys=self._keys(request_id, "finalize", member),
             args=[
                 "",
-                session_id,
+                member,
                 self.maxlen,
                 extra,
                 "" if idle_cutoff is None else idle_cutoff,
@@ -319,7 +356,7 @@ class SessionStore:
         return _text(tid) or None
 
     async def idle_sessions(self, cutoff: float, limit: int) -> list[str]:
-        """Up to `limit` sessions last active at or before `cutoff`, from every shard."""
+        """Up to `limit` session members last active at or before `cutoff`, from every shard."""
         found: list[str] = []
         for key in self.active_keys:
             if len(found) < limit:

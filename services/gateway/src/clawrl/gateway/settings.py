@@ -45,11 +45,28 @@ class ServingSettings(Section):
         '`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; none returns text only.',
     )
     default_max_tokens: int | None = Field(
-        None,
+        4096,
         gt=0,
-        description="Completion limit when a request sets neither max_tokens nor "
-        "max_completion_tokens; unset = whatever is left of the context window.",
+        description="Completion limit of a request that gives none (chat completions without "
+        "max_tokens / max_completion_tokens, Responses without max_output_tokens or with "
+        "null), on every route, clamped to what is left of the context window (a larger limit "
+        "a request asks for is kept). Without a default, one such request generates to the end "
+        "of the context (16k tokens in `make run`, minutes on CPU). Empty (`CLAWRL_SERVING__"
+        "DEFAULT_MAX_TOKENS=`): no default, whatever is left of the window.",
     )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted (bytes); a larger one gets a 413 before it "
+        "is read whole (counted in clawrl_gateway_oversized_requests_total). 8 MiB holds any "
+        "conversation a 128k-token context takes.",
+    )
+
+    @field_validator("default_max_tokens", mode="before")
+    @classmethod
+    def _empty_is_no_default(cls, value):
+        return None if value == "" else value
+
     engine_timeout_s: float = Field(
         600.0,
         gt=0,

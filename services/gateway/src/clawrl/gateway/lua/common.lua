@@ -1,8 +1,8 @@
 -- Shared by every session script (prepended to each). Every key a script touches is in KEYS,
 -- and all of them are in one shard (one hash slot under Redis Cluster; see sessions.py):
 -- KEYS[1] the shard's active set, KEYS[2] its turn stream, KEYS[3] the request key,
--- KEYS[5] the session's state, KEYS[6] the shard's pending-history index (session id -> hash
--- of the history its pending turn ends, for the claims of other sessions).
+-- KEYS[5] the session's state, KEYS[6] the shard's pending-history index (session member ->
+-- hash of the history its pending turn ends, for the claims of other sessions).
 
 -- protobuf varint, to encode turn_index (only known in here) in the stored Turn bytes.
 local function varint(n)
@@ -31,13 +31,14 @@ local function remember(result, ttl)
   return result
 end
 
--- Finalise the session's pending turn (if any) with `extra` appended; its turn id or ''.
-local function finalize_pending(sid, skey, stream, maxlen, extra)
-  redis.call('HDEL', KEYS[6], sid)
+-- Finalise the pending turn (if any) of session `member` with `extra` appended; its turn id or
+-- ''.
+local function finalize_pending(member, skey, stream, maxlen, extra)
+  redis.call('HDEL', KEYS[6], member)
   local turn = redis.call('HGET', skey, 'turn')
   if not turn then return '' end
   local tid = redis.call('HGET', skey, 'tid')
   publish(stream, maxlen, tid, turn .. extra)
-  redis.call('HDEL', skey, 'turn', 'tid', 'hist', 'at')
+  redis.call('HDEL', skey, 'turn', 'tid', 'hist', 'req', 'at')
   return tid
 end
