@@ -7,6 +7,7 @@ A turn that cannot be judged raises `MalformedTurn` (dead-lettered with the reas
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,19 @@ from clawrl.common.records import Sample, Turn
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
 from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
 from clawrl.judge.feedback import TurnFeedback, merged_reward
-from clawrl.judge.hints import HintVote, parse_hint_vote, select_hint
+from clawrl.judge.hint_fns import HintFn, HintFnFailed
+from clawrl.judge.hints import (
+    BY_OVERLAP,
+    HintVote,
+    Selection,
+    accepted_hints,
+    by_length,
+    candidates,
+    parse_hint_vote,
+    sequence_optimal,
+    token_optimal,
+    topk_overlap,
+)
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.prompts import (
     Budget,
@@ -32,10 +45,18 @@ from clawrl.judge.prompts import (
 )
 from clawrl.judge.rewards import RewardFn
 from clawrl.judge.settings import Mode
-from clawrl.judge.teacher import Teacher, TeacherMismatch, TeacherSignal
+from clawrl.judge.teacher import (
+    Teacher,
+    TeacherMismatch,
+    TeacherSignal,
+    merge_signals,
+    narrow_topk,
+)
 from clawrl.judge.turns import MalformedTurn, TurnView
 from clawrl.judge.verdicts import LogprobPRM
 from clawrl.judge.votes import agreement, majority, parse_boxed, wire_votes
+
+log = logging.getLogger(__name__)
 
 MODES = {"rl": SampleMode.SAMPLE_MODE_BINARY_RL, "opd": SampleMode.SAMPLE_MODE_OPD}
 MODES["combine"] = SampleMode.SAMPLE_MODE_COMBINED
@@ -172,11 +193,20 @@ class Judge:
         promote_first_in_session: bool = True,
         feedback: FeedbackSettings | None = None,
         logprob_prm: LogprobPRM | None = None,
+        hint_fn: HintFn | None = None,
+        hint_votes: bool = True,
+        hint_candidates: int = 1,
+        hint_select: Selection = "longest",
+        select_top_k: int = 8,
     ) -> None:
         if mode != "rl" and teacher is None:
             raise ValueError(f"mode {mode} needs a teacher (an SGLang-API judge engine)")
-        if backend is None and (mode != "rl" or reward_fn is None):
-            raise ValueError(f"mode {mode} needs a vote backend (PRM or hint votes)")
+        if backend is None and mode != "opd" and reward_fn is None:
+            raise ValueError(f"mode {mode} needs a vote backend for its PRM votes (or a reward_fn)")
+        if backend is None and mode != "rl" and hint_votes:
+            raise ValueError(f"mode {mode} asks hint votes: it needs a vote backend")
+        if hint_candidates > 1 and hint_select in BY_OVERLAP and teacher and not teacher.student:
+            raise ValueError(f"hint_select {hint_select} needs the student (the policy engine)")
         self.mode = mode
         self.metrics = metrics
         self.m = votes
@@ -188,6 +218,11 @@ class Judge:
         self.keep_vote_text = keep_vote_text
         self.promote_first_in_session = promote_first_in_session
         self.feedback = feedback or FeedbackSettings(enabled=False)
+        self.hint_fn = hint_fn
+        self.hint_votes = hint_votes and backend is not None
+        self.hint_candidates = hint_candidates
+        self.hint_select = hint_select
+        self.select_top_k = select_top_k
         self.logprob_prm = logprob_prm  # set: the PRM score is its yes/no verdict, not votes
 
     async def judge(self, view: TurnView, feedback: TurnFeedback | None = None) -> Judgement:
@@ -216,6 +251,11 @@ class Judge:
             set_mask(sample, MaskReason.MASK_REASON_UNKNOWN_VERSION)
         elif mixed_policy(turn):
             set_mask(sample, MaskReason.MASK_REASON_MIXED_POLICY)
+        elif turn.history_mismatch:
+            # The next request did not extend this turn's conversation (the client edited or
+            # truncated it, or another conversation took the session id): its last message is
+            # not known to answer this reply, so it judges nothing.
+            set_mask(sample, MaskReason.MASK_REASON_HISTORY_MISMATCH)
         elif self.mode == "rl":
             await self._rl(view, judgement)
         elif self.mode == "opd":
@@ -226,6 +266,7 @@ class Judge:
             reward=sample.reward,
             reward_source=sample.reward_source,
             hint=sample.hint,
+            hint_source=sample.hint_source,
             has_teacher=sample.has_teacher,
             mask_reason=MaskReason.Name(sample.mask_reason),
             promoted=False,
@@ -255,36 +296,37 @@ class Judge:
         sample = j.sample
         if self._explicit(j) is not None:
             self._feedback_used(j, "reward_unused")  # opd trains on the teacher only
-        hint = self._comment_hint(j)
-        if not hint and not view.has_next_state:
-            set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
+        try:
+            hints = await self._hints(view, j)
+        except HintFnFailed as exc:
+            self._hint_fn_failed(j, exc)
             return
-        hint = hint or await self._hint(view, j)
-        if not hint:
-            set_mask(sample, MaskReason.MASK_REASON_NO_HINT)
+        if not hints:
+            none = MaskReason.MASK_REASON_NO_HINT if view.has_next_state else None
+            set_mask(sample, none or MaskReason.MASK_REASON_NO_NEXT_STATE)
             return
-        await self._teach(view, hint, j)
+        await self._teach(view, hints, j)
         set_mask(sample, None)
 
     async def _combine(self, view: TurnView, j: Judgement) -> None:
         """hint & ±1: teacher + reward; hint & 0: teacher, reward 0; no hint & ±1: reward
         only (has_teacher false: an exact zero distillation term); neither: masked."""
         sample = j.sample
-        comment = self._comment_hint(j)
         explicit = self._explicit(j)
+        comment = self._comment(j)
         if not view.has_next_state and self.reward_fn is None and not comment and explicit is None:
             set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
             return
-        if comment:
-            hint_task = _value(comment)
-        else:
-            hint_task = self._hint(view, j) if view.has_next_state else _nothing()
-        score, hint = await _gather(self._score(view, j), hint_task)
-        if hint:
-            await self._teach(view, hint, j)
+        try:
+            score, hints = await _gather(self._score(view, j), self._hints(view, j))
+        except HintFnFailed as exc:
+            self._hint_fn_failed(j, exc)
+            return
+        if hints:
+            await self._teach(view, hints, j)
         if score:
             sample.reward = score
-        if hint or score:
+        if hints or score:
             set_mask(sample, None)
         elif not view.has_next_state:
             set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
@@ -296,13 +338,11 @@ class Judge:
     def _explicit(self, j: Judgement) -> float | None:
         return j.feedback.reward if j.feedback is not None else None
 
-    def _comment_hint(self, j: Judgement) -> str:
-        """The feedback's comment when it serves as the hint (opd, combine), else ""."""
-        if j.feedback is None or not self.feedback.comment_as_hint or not j.feedback.comment:
+    def _comment(self, j: Judgement) -> str:
+        """The feedback's comment when it may serve as the hint (opd, combine), else ""."""
+        if j.feedback is None or not self.feedback.comment_as_hint:
             return ""
-        self._feedback_used(j, "hint")
-        j.sample.hint = j.feedback.comment
-        return j.feedback.comment
+        return j.feedback.comment or ""
 
     def _feedback_used(self, j: Judgement, use: str) -> None:
         self.metrics.feedback.labels(use).inc()
@@ -366,7 +406,32 @@ class Judge:
         j.audit["score"] = result
         return float(result)
 
-    async def _hint(self, view: TurnView, j: Judgement) -> str:
+    async def _hints(self, view: TurnView, j: Judgement) -> list[str]:
+        """Hint candidates from the first source that gives any, in order: the explicit
+        feedback's comment, the hint plug-in, the judge's hint votes; [] when none does.
+        HintFnFailed when the plug-in fails (the caller masks the turn)."""
+        found: list[str] = []
+        source = ""
+        if comment := self._comment(j):
+            self._feedback_used(j, "hint")
+            found, source = [comment], "feedback"
+        if not found and view.has_next_state and self.hint_fn is not None:
+            found = candidates(await self.hint_fn(view), self.min_hint_chars)
+            source = self.hint_fn.source
+        if not found and view.has_next_state and self.hint_votes:
+            found, source = await self._hint_votes(view, j), "judge"
+        found = found[: self.hint_candidates]
+        self.metrics.hints.labels("accepted" if found else "none").inc()
+        self.metrics.hint_sources.labels(source.split(":")[0] if found else "none").inc()
+        if found:
+            j.sample.hint_source = source
+            j.sample.hint = found[0]
+            j.audit["hint_candidates"] = found
+        return found
+
+    async def _hint_votes(self, view: TurnView, j: Judgement) -> list[str]:
+        """The accepted hints of the judge's m hint votes: all of them (deduplicated, in vote
+        order) when several are kept, else the longest (the most instructive)."""
         data = judge_input(view.messages, view.response_message, view.next_state, self.budget)
         prompt = self._fit(view, data, hint_messages, "hint")
         started = time.perf_counter()
@@ -379,18 +444,35 @@ class Judge:
         elapsed = time.perf_counter() - started
         self.metrics.judge_latency.labels("hint").observe(elapsed)
         j.timings["hint_s"] = elapsed
-        hint = select_hint([HintVote(v.score, v.hint or "") for v in votes], self.min_hint_chars)
-        self.metrics.hints.labels("accepted" if hint else "none").inc()
         j.audit["hint_votes"] = [v.record(self.keep_vote_text) for v in votes]
-        j.sample.hint = hint
-        return hint
+        hint_votes = [HintVote(v.score, v.hint or "") for v in votes]
+        hints = accepted_hints(hint_votes, self.min_hint_chars)
+        if self.hint_candidates > 1 or not hints:
+            return hints
+        return [hints[by_length(hints, "longest")]]
 
-    async def _teach(self, view: TurnView, hint: str, j: Judgement) -> None:
+    def _hint_fn_failed(self, j: Judgement, exc: HintFnFailed) -> None:
+        """Masked, not failed: a broken plug-in costs its turns' signal, never the turns."""
+        log.warning("turn %s masked: %s", j.sample.sample_id, exc)
+        self.metrics.hint_fn_errors.inc()
+        j.audit["hint_fn_error"] = str(exc)
+        set_mask(j.sample, MaskReason.MASK_REASON_HINT_FN_FAILED)
+
+    async def _teach(self, view: TurnView, hints: list[str], j: Judgement) -> None:
+        """Teacher log-probs after the hinted prompt; with several candidates one is picked by
+        `hint_select` (by length: only the chosen one is scored; by top-K agreement: each is,
+        see `_select`)."""
         assert self.teacher is not None
         started = time.perf_counter()
         try:
-            prompt_ids = self.teacher.hinted_prompt_ids(view.messages, view.tools, hint)
-            signal = await self.teacher.score(prompt_ids, view.turn.response_ids)
+            if len(hints) == 1 or self.hint_select not in BY_OVERLAP:
+                chosen = 0 if len(hints) == 1 else by_length(hints, self.hint_select)
+                hinted = hints[chosen]
+                prompt_ids = self.teacher.hinted_prompt_ids(view.messages, view.tools, hinted)
+                signal = await self.teacher.score(prompt_ids, view.turn.response_ids)
+                j.audit["hinted_prompt_tokens"] = len(prompt_ids)
+            else:
+                chosen, signal = await self._select(view, hints, j)
         except (EngineRequestError, TeacherMismatch) as exc:
             raise MalformedTurn(f"teacher log-probs failed: {exc}") from exc
         except ValueError as exc:  # the policy template cannot render the hinted messages
@@ -398,8 +480,43 @@ class Judge:
         elapsed = time.perf_counter() - started
         self.metrics.teacher_latency.observe(elapsed)
         j.timings["teacher_s"] = elapsed
-        j.audit["hinted_prompt_tokens"] = len(prompt_ids)
+        j.sample.hint = hints[chosen]
+        j.sample.hint_candidates = len(hints)
+        if len(hints) > 1:
+            self.metrics.hint_selections.labels(self.hint_select).inc()
+            j.audit["hint_chosen"] = chosen
         set_teacher(j.sample, signal)
+
+    async def _select(
+        self, view: TurnView, hints: list[str], j: Judgement
+    ) -> tuple[int, TeacherSignal]:
+        """Each candidate scored with its top-K, and the student's top-K on the turn's own
+        prompt; k* by their overlap (OpenClaw-RL: O[k, t] = |top-K(student, t) & top-K(teacher
+        k, t)|) -> (the candidate reported as the hint, the signal: candidate k*'s, or for
+        token_optimal each token's own k*)."""
+        assert self.teacher is not None
+        turn, k = view.turn, self.select_top_k
+        asked = max(k, self.teacher.top_k)
+        prompts = [self.teacher.hinted_prompt_ids(view.messages, view.tools, h) for h in hints]
+        *signals, student = await asyncio.gather(
+            *(self.teacher.score(p, turn.response_ids, asked) for p in prompts),
+            self.teacher.student_topk(list(turn.prompt_ids), turn.response_ids, k),
+        )
+        overlaps = [
+            topk_overlap(student, narrow_topk(s.topk_ids, s.topk_logprobs, asked, k)[0], k)
+            for s in signals
+        ]
+        if self.hint_select == "sequence_optimal":
+            chosen = sequence_optimal(overlaps)
+            choice = [chosen] * len(turn.response_ids)
+        else:
+            choice = token_optimal(overlaps)
+            chosen = max(range(len(hints)), key=lambda c: (choice.count(c), -c))
+        merged = merge_signals(signals, choice)
+        ids, lps = narrow_topk(merged.topk_ids, merged.topk_logprobs, asked, self.teacher.top_k)
+        j.audit["hint_overlaps"] = [sum(row) for row in overlaps]
+        j.audit["hinted_prompt_tokens"] = len(prompts[chosen])
+        return chosen, TeacherSignal(merged.logprobs, self.teacher.top_k, ids, lps)
 
     def _fit(
         self,
@@ -449,14 +566,6 @@ class Judge:
             votes.append(Vote(text=reply, score=score, hint=hint if kind == "hint" else None))
             self.metrics.votes.labels(kind, "valid" if score is not None else "invalid").inc()
         return votes
-
-
-async def _nothing() -> str:
-    return ""
-
-
-async def _value(text: str) -> str:
-    return text
 
 
 async def _gather(score_coro, hint_coro) -> tuple[float | None, str]:

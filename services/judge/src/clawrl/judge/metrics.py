@@ -54,6 +54,24 @@ class JudgeMetrics:
             ["result"],
             registry=r,
         )
+        self.hint_sources = Counter(
+            "clawrl_judge_hint_sources_total",
+            "Turns whose hint came from each source, in the order they are asked: feedback (an "
+            "explicit feedback's comment), hint_fn (the plug-in), judge (the hint votes); none.",
+            ["source"],
+            registry=r,
+        )
+        self.hint_fn_errors = Counter(
+            "clawrl_judge_hint_fn_errors_total",
+            "Turns masked because the hint plug-in raised or returned something that is not text.",
+            registry=r,
+        )
+        self.hint_selections = Counter(
+            "clawrl_judge_hint_selections_total",
+            "Turns with more than one hint candidate, by the selection that picked one.",
+            ["select"],
+            registry=r,
+        )
         self.judge_latency = Histogram(
             "clawrl_judge_vote_duration_seconds",
             "Time for a turn's m votes (all concurrent), by kind.",

@@ -21,6 +21,7 @@ from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.sglang_client import SGLangClient
 from clawrl.judge.backends import OpenAIVotes, SGLangVotes, VoteBackend
 from clawrl.judge.core import Judge
+from clawrl.judge.hint_fns import load_hint_fn
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.prompts import Budget
 from clawrl.judge.rewards import load_reward_fn
@@ -104,15 +105,22 @@ def build_backend(
 
 
 def build_judge(
-    settings: JudgeSettings, metrics: JudgeMetrics, engine: SGLangClient | None
+    settings: JudgeSettings,
+    metrics: JudgeMetrics,
+    engine: SGLangClient | None,
+    policy_engine: SGLangClient | None = None,
 ) -> Judge:
-    """The core with its backend, teacher and reward plug-in (loads tokenizers: call it in a
-    thread from async code)."""
+    """The core with its backend, teacher and plug-ins (loads tokenizers: call it in a thread
+    from async code). `engine`: the judge engine; `policy_engine`: the policy engine, for the
+    teacher.engine=policy teacher and the student's top-K of the hint selection."""
     policy = ChatRenderer.from_settings(settings.model) if settings.needs_teacher else None
     teacher = None
     if settings.needs_teacher:
-        assert engine is not None and policy is not None
-        teacher = Teacher(engine, policy, settings.teacher.top_k)
+        t = settings.teacher
+        teaching = policy_engine if t.engine == "policy" else engine
+        student = policy_engine if settings.student_reference else None
+        assert teaching is not None and policy is not None
+        teacher = Teacher(teaching, policy, t.top_k, student=student)
     j, p = settings.judging, settings.prompt
     backend = build_backend(settings, engine, policy)
     return Judge(
@@ -128,6 +136,11 @@ def build_judge(
         promote_first_in_session=j.promote_first_in_session,
         feedback=settings.feedback,
         logprob_prm=build_logprob_prm(settings, engine, backend),
+        hint_fn=load_hint_fn(j.hint_fn, j.hint_fn_args) if j.hint_fn else None,
+        hint_votes=j.hint_votes,
+        hint_candidates=j.hint_candidates,
+        hint_select=j.hint_select,
+        select_top_k=settings.teacher.select_top_k,
     )
 
 
@@ -200,11 +213,12 @@ def build_workers(
 
 
 async def refuse_another_tokenizer(
-    settings: JudgeSettings, judge: Judge, engine: SGLangClient | None
+    settings: JudgeSettings, judge: Judge, engines: Sequence[SGLangClient]
 ) -> None:
-    """opd/combine: wait for the judge engine and stop the start (closing what was built) unless
-    it reads the policy's token ids as the policy does (see `vocab`)."""
-    assert engine is not None and judge.teacher is not None
+    """opd/combine: wait for the teacher's engine and stop the start (closing `engines`, what
+    was built) unless it reads the policy's token ids as the policy does (see `vocab`)."""
+    assert judge.teacher is not None
+    engine = judge.teacher.engine  # the teacher's: the judge engine, or the policy engine
     w = settings.workers
     try:
         tokenizer = judge.teacher.renderer.tokenizer
@@ -215,7 +229,8 @@ async def refuse_another_tokenizer(
             log.error("refusing to start: %s", exc)
         if judge.backend is not None:
             await judge.backend.aclose()
-        await engine.aclose()
+        for client in engines:
+            await client.aclose()
         raise
 
 
@@ -241,23 +256,29 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
     """Build everything, start the workers (and the servers when `serve`), yield the service;
     on exit stop reading, drain in-flight turns and close every client."""
     metrics = JudgeMetrics()
-    engine = None
-    if settings.backend.engine_url and (
-        settings.needs_teacher or (settings.needs_votes and settings.backend.kind == "sglang")
-    ):
+    b, t = settings.backend, settings.teacher
+    engine = policy_engine = None
+    judge_teaches = settings.needs_teacher and t.engine == "judge"
+    if b.engine_url and (judge_teaches or (settings.needs_votes and b.kind == "sglang")):
         engine = SGLangClient(
-            settings.backend.engine_url,
-            timeout_s=settings.backend.timeout_s,
-            max_connections=settings.backend.max_connections,
+            b.engine_url, timeout_s=b.timeout_s, max_connections=b.max_connections
         )
-    judge = await asyncio.to_thread(build_judge, settings, metrics, engine)
+    policy_teaches = settings.needs_teacher and t.engine == "policy"
+    if t.policy_engine_url and (policy_teaches or settings.student_reference):
+        policy_engine = SGLangClient(
+            t.policy_engine_url, timeout_s=b.timeout_s, max_connections=b.max_connections
+        )
+    engines = [c for c in (engine, policy_engine) if c is not None]
+    judge = await asyncio.to_thread(build_judge, settings, metrics, engine, policy_engine)
     if judge.teacher is not None:
-        await refuse_another_tokenizer(settings, judge, engine)
+        await refuse_another_tokenizer(settings, judge, engines)
     redis = create_redis(settings)
     stores = [build_store(settings, redis, metrics, k) for k in range(settings.redis.stream_shards)]
     warn_feedback_mismatch(settings)
     workers = build_workers(settings, redis, stores, judge, metrics)
-    service = JudgeService(settings, judge, metrics, redis, stores[0], engine, workers)
+    service = JudgeService(
+        settings, judge, metrics, redis, stores[0], engine or policy_engine, workers
+    )
     tasks = [asyncio.create_task(w.run(service.stop), name=f"judge-worker-{i}")
              for i, w in enumerate(workers)]  # fmt: skip
     # Samples too: the trainers' group decides what is acknowledged (nothing is trimmed
@@ -299,6 +320,6 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
             await http_runner.cleanup()
         if judge.backend is not None:
             await judge.backend.aclose()
-        if engine is not None:
-            await engine.aclose()
+        for client in engines:
+            await client.aclose()
         await redis.aclose()

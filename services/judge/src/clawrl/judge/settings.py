@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
+from clawrl.judge.hints import BY_OVERLAP, Selection
 
 Mode = Literal["rl", "opd", "combine"]
 
@@ -58,6 +59,35 @@ class JudgingSettings(Section):
     )
     min_hint_chars: int = Field(
         10, ge=0, description="A hint must be longer than this to be used (opd, combine)."
+    )
+    hint_fn: str | None = Field(
+        None,
+        description="A hint plug-in `module:function` (see clawrl.judge.hint_fns): the hint of a "
+        "turn without a judge model, asked after an explicit feedback's comment and before "
+        "the judge's hint votes (opd, combine).",
+    )
+    hint_fn_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to hint_fn on every call.",
+    )
+    hint_votes: bool = Field(
+        True,
+        description="opd/combine: ask the judge's hint votes when neither feedback nor hint_fn "
+        "gave a hint (off: hints come only from those two).",
+    )
+    hint_candidates: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Accepted hints kept per turn (deduplicated, from the first source that gives "
+        "any); more than one: each is scored by the teacher and one is picked by hint_select.",
+    )
+    hint_select: Selection = Field(
+        "longest",
+        description="How one of several hint candidates is picked: longest or shortest (by "
+        "characters), sequence_optimal (the candidate whose hinted teacher's top-K agrees with "
+        "the student's on the most tokens of the response), token_optimal (per token, the "
+        "candidate that agrees most there; OpenClaw-RL's multi-candidate selection).",
     )
 
 
@@ -118,6 +148,24 @@ class TeacherSettings(Section):
 
     top_k: int = Field(
         0, ge=0, le=64, description="Also store the teacher's top-K ids/log-probs per token."
+    )
+    engine: Literal["judge", "policy"] = Field(
+        "judge",
+        description="Which engine teaches: judge (backend.engine_url) or policy (the policy "
+        "engine's base weights, asked with no adapter: with LoRA the frozen base model, so one "
+        "engine serves the policy and the teacher on a laptop; with full fine-tuning the "
+        "current policy itself).",
+    )
+    policy_engine_url: str | None = Field(
+        "http://localhost:30010",
+        description="The policy engine (SGLang API): the teacher when engine=policy, and the "
+        "student's top-K (its base weights) for the sequence/token_optimal hint selection.",
+    )
+    select_top_k: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="K of the top-K sets compared by the sequence/token_optimal selection.",
     )
 
 
@@ -230,7 +278,21 @@ class JudgeSettings(ClawrlSettings):
     @model_validator(mode="after")
     def _check(self) -> JudgeSettings:
         b = self.backend
-        if self.needs_teacher and not b.engine_url:
+        j, t = self.judging, self.teacher
+        if self.needs_teacher and t.engine == "policy" and not t.policy_engine_url:
+            raise ValueError("teacher.engine=policy needs teacher.policy_engine_url")
+        if self.student_reference and not t.policy_engine_url:
+            raise ValueError(
+                f"judging.hint_select={j.hint_select} compares each hinted teacher with the "
+                "student: set teacher.policy_engine_url (the policy engine)"
+            )
+        comments = self.feedback.enabled and self.feedback.comment_as_hint
+        if self.needs_teacher and not (j.hint_fn or j.hint_votes or comments):
+            raise ValueError(
+                f"judging.mode={j.mode} has no hint source: set judging.hint_fn, turn "
+                "judging.hint_votes on, or feedback.comment_as_hint"
+            )
+        if self.needs_teacher and t.engine == "judge" and not b.engine_url:
             raise ValueError(
                 f"judging.mode={self.judging.mode} needs teacher prompt log-probs, which only an "
                 "SGLang-API engine gives: set backend.engine_url (an OpenAI-compatible API "
@@ -255,9 +317,15 @@ class JudgeSettings(ClawrlSettings):
 
     @property
     def needs_votes(self) -> bool:
-        """PRM votes are asked unless a reward_fn replaces them; hint votes always in opd and
-        combine."""
-        return self.needs_teacher or not self.judging.reward_fn
+        """A vote backend is asked: PRM votes unless a reward_fn replaces them (uses_prm), hint
+        votes in opd and combine unless judging.hint_votes is off."""
+        return (self.needs_teacher and self.judging.hint_votes) or self.uses_prm
+
+    @property
+    def student_reference(self) -> bool:
+        """The hint selection compares each candidate's teacher with the student's top-K."""
+        j = self.judging
+        return self.needs_teacher and j.hint_candidates > 1 and j.hint_select in BY_OVERLAP
 
     @property
     def uses_prm(self) -> bool:
