@@ -469,9 +469,10 @@ LEARNING = [
         (
             (f"{rate('clawrl_trainer_samples_consumed_total', 'kind')} or vector(0)", "{{kind}}"),
             (rate("clawrl_trainer_samples_dropped_total", "reason"), "dropped: {{reason}}"),
+            (rate("clawrl_trainer_batches_skipped_total", "reason"), "batches skipped: {{reason}}"),
         ),
         "Samples the trainer trained on, by kind, and those it dropped, by reason (too stale, too"
-        " long, ...).",
+        " long, ...); batches that took no step (no_signal: every advantage 0).",
     ),
     Panel(
         "Step time",

@@ -22,6 +22,7 @@ class Snapshot:
     turns: int = 0
     samples_waiting: int = 0
     steps: int = 0
+    skipped: int = 0  # batches that took no step: no learning signal in them
     reward_mean: float | None = None
     policy_version: int = 0  # the shared policy's
     tenant_versions: dict[str, int] = field(default_factory=dict)  # per-tenant mode: each adapter's
@@ -29,9 +30,11 @@ class Snapshot:
 
     def line(self) -> str:
         reward = f"{self.reward_mean:+.2f}" if self.reward_mean is not None else "-"
+        skipped = f" ({self.skipped} batches without signal skipped)" if self.skipped else ""
         text = (
-            f"turns {self.turns} | samples waiting {self.samples_waiting} | steps {self.steps} | "
-            f"reward mean (last {REWARD_WINDOW}) {reward} | policy v{self.policy_version}"
+            f"turns {self.turns} | samples waiting {self.samples_waiting} | steps {self.steps}"
+            f"{skipped} | reward mean (last {REWARD_WINDOW}) {reward} | "
+            f"policy v{self.policy_version}"
         )
         if self.tenant_versions:
             text += " | tenants " + ", ".join(
@@ -48,20 +51,25 @@ class Snapshot:
         return text
 
 
-def trainer_step(metrics_url: str) -> int:
+def trainer_counts(metrics_url: str) -> tuple[int, int]:
+    """The trainer's step and its batches skipped for lack of signal (0, 0 until it answers)."""
+    step = skipped = 0
     try:
         with urllib.request.urlopen(metrics_url, timeout=1) as response:
             for line in response.read().decode().splitlines():
                 if line.startswith("clawrl_trainer_step "):
-                    return int(float(line.split()[1]))
+                    step = int(float(line.split()[1]))
+                elif line.startswith("clawrl_trainer_batches_skipped_total{"):
+                    skipped += int(float(line.split()[-1]))
     except OSError:
         pass
-    return 0
+    return step, skipped
 
 
 def snapshot(client: redis.Redis, trainer_metrics_url: str) -> Snapshot:
     """Where the loop stands now; parts that cannot be read yet keep their zero value."""
-    state = Snapshot(steps=trainer_step(trainer_metrics_url))
+    steps, skipped = trainer_counts(trainer_metrics_url)
+    state = Snapshot(steps=steps, skipped=skipped)
     state.turns = client.xlen("clawrl:turns")
     try:
         groups = client.xinfo_groups("clawrl:samples")

@@ -52,3 +52,25 @@ def test_shared_mode_line_is_unchanged(client):
     state = status.snapshot(client, "http://127.0.0.1:9/metrics")
     assert (state.policy_version, state.tenant_versions) == (2, {})
     assert "policy v2 | last sync v2 ok" in state.line()
+
+
+def test_batches_without_signal_show_beside_the_steps(client):
+    """A loop that only skips (every turn neutral) must not look like one that learns: the
+    trainer's skipped batches are read from its /metrics and shown beside the steps."""
+    from prometheus_client import start_http_server
+
+    from clawrl.trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics()
+    metrics.step.set(2)
+    metrics.batches_skipped.labels("no_signal").inc(30)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        state = status.snapshot(client, url)
+    finally:
+        server.shutdown()
+        thread.join()
+    assert (state.steps, state.skipped) == (2, 30)
+    assert "| steps 2 (30 batches without signal skipped) |" in state.line()
+    assert "skipped" not in status.Snapshot(steps=2).line()
