@@ -67,6 +67,13 @@ class InProcess:
         return await asyncio.to_thread(getattr(self.backend, method), *args, **kwargs)
 
 
+# Ray's GCS marks a node dead after this many failed health checks (Ray's default 5: ~65 s at
+# a 3 s period and a 10 s timeout each), and a raylet told it is dead exits. A raylet starved of
+# CPU (make run beside busy engines, at load average 44-60 on 2 cores) missed them and died with
+# the training actor; a local runtime has no other node to move work to, so it waits ~11 min.
+LOCAL_HEALTH_CHECK_FAILURES = 50
+
+
 def connect(settings: RaySettings) -> None:
     """Join the Ray cluster (`address` set, e.g. 'auto' in a RayJob) or start a local runtime."""
     if ray.is_initialized():
@@ -81,7 +88,10 @@ def connect(settings: RaySettings) -> None:
             num_cpus=settings.num_cpus,
             include_dashboard=False,
             log_to_driver=True,
-            _system_config={"worker_niceness": 0},
+            _system_config={
+                "worker_niceness": 0,
+                "health_check_failure_threshold": LOCAL_HEALTH_CHECK_FAILURES,
+            },
         )
         start_reaper()  # a trainer killed outright takes its Ray workers along
         log.info("started a local Ray runtime")
