@@ -14,8 +14,8 @@ $(STAMP): scripts/setup.sh $(wildcard services/*/pyproject.toml)
 	touch $(STAMP)
 
 # The judge's reward in make run: what `clawrl simulate`'s user says about each reply (its
-# preference: one paragraph), so the loop visibly learns it; RUN_REWARD_FN= leaves the judge to
-# clawrl.toml ([judging]). make run trains a LoRA adapter (rank 16, lr 5e-4, the batch's mean
+# preference: one paragraph), so the loop visibly learns it; RUN_REWARD_FN= has the judge's PRM
+# score; RUN_ARGS="--method opd|combine|config" picks the method (config: clawrl.toml's [judging]). make run trains a LoRA adapter (rank 16, lr 5e-4, the batch's mean
 # reward as baseline); RUN_ARGS="--lora-rank 0" goes back to full fine-tuning.
 RUN_REWARD_FN ?= clawrl.judge.reward_examples:stated_preference
 RUN_ARGS ?=
