@@ -131,6 +131,25 @@ def test_settings_refuse_modes_without_what_they_need(monkeypatch) -> None:
     assert not JudgeSettings(judging={"reward_fn": "m:f"}, backend={"engine_url": None}).needs_votes
 
 
+def test_settings_refuse_hint_setups_that_cannot_work(monkeypatch) -> None:
+    monkeypatch.setenv("CLAWRL_CONFIG", "/nonexistent/clawrl.toml")
+    with pytest.raises(ValidationError, match="has no hint source"):
+        JudgeSettings(judging={"mode": "opd", "hint_votes": False}, feedback={"enabled": False})
+    with pytest.raises(ValidationError, match=r"teacher\.engine=policy needs"):
+        JudgeSettings(judging={"mode": "opd"}, teacher={"engine": "policy",
+                                                        "policy_engine_url": None})  # fmt: skip
+    with pytest.raises(ValidationError, match="compares each hinted teacher with the student"):
+        JudgeSettings(judging={"mode": "opd", "hint_candidates": 2,
+                               "hint_select": "token_optimal"},
+                      teacher={"policy_engine_url": None})  # fmt: skip
+    # The hint plug-in and the policy engine as teacher: no judge engine, no votes at all.
+    alone = JudgeSettings(judging={"mode": "opd", "hint_fn": "m:f", "hint_votes": False},
+                          teacher={"engine": "policy"}, backend={"engine_url": None})  # fmt: skip
+    assert not alone.needs_votes and alone.needs_teacher
+    # By length, several candidates need no student.
+    assert not JudgeSettings(judging={"mode": "opd", "hint_candidates": 3}).student_reference
+
+
 def test_api_key_from_a_mounted_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CLAWRL_CONFIG", "/nonexistent/clawrl.toml")
     key = tmp_path / "key"
