@@ -11,7 +11,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from clawrl.common.feedback import feedback_key
 from clawrl.common.shards import Shards, shard_of, shard_tag
-from clawrl.gateway.sessions import SessionStore
+from clawrl.gateway.sessions import SessionStore, caller_scope, session_member
 from clawrl.judge.service import build_store
 from clawrl.judge.settings import JudgeSettings
 
@@ -80,7 +80,8 @@ def test_every_gateway_script_touches_one_slot(count: int) -> None:
         shard = shards.of(session_id)
         conversation = store.conversation_key("scope", "hash", shard)
         for step in ("record", "finalize"):
-            keys = [*store._keys("req-1", step, session_id), conversation]
+            member = session_member(caller_scope("sk-key", None), session_id)
+            keys = [*store._keys("req-1", step, member), conversation]
             assert len({slot(key) for key in keys}) == 1, keys
         # The resolution's MGET of one shard: the request key and the shard's claims.
         keys = [store.request_key("req-1", "record", shard), conversation]
