@@ -93,6 +93,7 @@ def test_judge_eval_logprob_on_a_real_engine_gives_a_verdict_for_every_case(
     assert found["cases"] == 3 and found["prm"] == "logprob"
     assert found["parse_rate"] == 1.0 and found["votes"] == 3
     assert found["vote_agreement"] is None  # one verdict per case
+    assert all(0.0 <= r["yes_share"] <= 1.0 for r in found["results"])
     assert all(r["predicted"] in (1, 0, -1) and r["votes"] == [r["predicted"]]
                for r in found["results"])  # fmt: skip
 

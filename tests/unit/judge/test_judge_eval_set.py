@@ -10,6 +10,7 @@ import pytest
 from clawrl.judge.evaluation import (
     Case,
     CaseResult,
+    auc,
     balanced_order,
     load_cases,
     percentile,
@@ -108,3 +109,22 @@ def test_percentile_is_nearest_rank() -> None:
     values = list(range(1, 21))  # 1..20
     assert percentile(values, 0.5) == 10 and percentile(values, 0.95) == 19
     assert percentile([7.0], 0.95) == 7.0
+
+
+def test_auc_by_hand() -> None:
+    # pairs (p, n): (0.9, 0.2) win, (0.9, 0.5) win, (0.5, 0.2) win, (0.5, 0.5) tie -> 3.5 / 4
+    assert auc([0.9, 0.5], [0.2, 0.5]) == 0.875
+    assert auc([0.1], [0.9]) == 0.0 and auc([], [0.3]) is None
+
+
+def test_the_yes_share_auc_comes_from_the_logprob_cases() -> None:
+    results = [
+        CaseResult(case(1, name="a"), 1, [1], "", [], 0.1, 0.0, yes_share=0.8),
+        CaseResult(case(1, name="b"), 0, [0], "", [], 0.1, 0.0, yes_share=0.4),
+        CaseResult(case(-1, name="c"), 0, [0], "", [], 0.1, 0.0, yes_share=0.6),
+        CaseResult(case(0, name="d"), 0, [None], "", [], 0.1, 0.0, yes_share=None),
+    ]
+    s = summarize(results)
+    assert s["yes_share_auc"] == 0.5  # 0.8 > 0.6 wins, 0.4 < 0.6 loses
+    assert [r["yes_share"] for r in s["results"]] == [0.8, 0.4, 0.6, None]
+    assert summarize(results[:1])["yes_share_auc"] is None  # no -1 case

@@ -141,6 +141,7 @@ class CaseResult:
     hint_votes: list[int | None]
     prm_s: float
     hint_s: float
+    yes_share: float | None = None  # prm=logprob: p_yes / (p_yes + p_no)
 
 
 async def run_case(judge: Judge, case: Case) -> CaseResult:
@@ -153,12 +154,14 @@ async def run_case(judge: Judge, case: Case) -> CaseResult:
     hints = await judge._hints(view, j)  # no feedback, no hint_fn: the judge's hint votes
     hint = hints[0] if hints else ""
     hint_s = time.perf_counter() - started - prm_s
+    yes_share = None
     if "prm_logprob" in j.audit:
         prm_votes = [j.audit["prm_logprob"]["score"]]
+        yes_share = j.audit["prm_logprob"]["yes_share"]
     else:
         prm_votes = [v["score"] for v in j.audit["votes"]]
     hint_votes = [v["score"] for v in j.audit.get("hint_votes", [])]
-    return CaseResult(case, int(score or 0), prm_votes, hint, hint_votes, prm_s, hint_s)
+    return CaseResult(case, int(score or 0), prm_votes, hint, hint_votes, prm_s, hint_s, yes_share)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -173,6 +176,15 @@ def latency(values: Sequence[float]) -> dict[str, float]:
         "p50": percentile(values, 0.5),
         "p95": percentile(values, 0.95),
     }
+
+
+def auc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
+    """The chance that a random positive scores above a random negative (ties count half):
+    how well a score separates them whatever the threshold; None without both."""
+    if not positives or not negatives:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    return wins / (len(positives) * len(negatives))
 
 
 def _share(hits: int, total: int) -> float | None:
@@ -193,6 +205,10 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
     multi = [r for r in results if len(r.prm_votes) > 1 and any(v is not None for v in r.prm_votes)]
     should = [r for r in results if r.case.hint]
     should_not = [r for r in results if not r.case.hint]
+    shares = {
+        v: [r.yes_share for r in results if r.case.verdict == v and r.yes_share is not None]
+        for v in (1, -1)
+    }
     by_kind = {}
     for kind in KINDS:
         hits = [ok for ok, r in zip(correct, results, strict=True) if r.case.kind == kind]
@@ -204,6 +220,8 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
         "accuracy_polar": _share(sum(polar), len(polar)),
         "confusion": confusion,
         "by_kind": by_kind,
+        # prm=logprob: how well the yes share tells the +1 cases from the -1 ones (0.5: chance).
+        "yes_share_auc": auc(shares[1], shares[-1]),
         "parse_rate": _share(sum(v is not None for v in votes), len(votes)),
         "votes": len(votes),
         # A verdict made of one vote (prm=logprob, or m=1) agrees with itself: not reported.
@@ -223,6 +241,7 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
                 "gold": r.case.verdict,
                 "predicted": r.predicted,
                 "votes": r.prm_votes,
+                "yes_share": r.yes_share,
                 "hint": r.hint,
             }
             for r in results
@@ -262,6 +281,8 @@ def report(summary: dict[str, Any], title: str) -> str:
         f"latency per case: mean {lat['mean']:.2f} s, p50 {lat['p50']:.2f} s, p95 "
         f"{lat['p95']:.2f} s (PRM mean {prm['mean']:.2f} s, hint mean {hint['mean']:.2f} s)",
     ]
+    if s["yes_share_auc"] is not None:
+        lines.append(f"yes share AUC on the +1/-1 cases {s['yes_share_auc']:.3f} (0.5: chance)")
     return "\n".join(lines)
 
 
