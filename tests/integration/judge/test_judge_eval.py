@@ -49,7 +49,7 @@ def tiny_engine(engine_factory) -> str:
 
 def test_a_perfect_judge_scores_one_through_the_real_parsers() -> None:
     found = judge_eval("--judge", "scripted:perfect")
-    assert found["accuracy"] == 1.0 and found["accuracy_polar"] == 1.0
+    assert found["accuracy"] == 1.0 and found["accuracy_all"] == 1.0
     assert found["hint_yield"] == 1.0 and found["false_hint_rate"] == 0.0
     assert found["parse_rate"] == 1.0 and found["vote_agreement"] == 1.0
     assert found["votes"] == 3 * found["cases"]
@@ -60,11 +60,11 @@ def test_a_perfect_judge_scores_one_through_the_real_parsers() -> None:
 def test_a_coin_flipping_judge_scores_its_seeds_figures() -> None:
     found = judge_eval("--judge", "scripted:random", "--seed", "0")
     # The coin says good or bad, never neutral: about half of the +1/-1 cases, none of the 0s.
-    assert found["accuracy_polar"] == 0.5 and found["accuracy"] == pytest.approx(16 / 46)
-    assert found["accuracy"] < 0.8 and found["confusion"]["0"]["0"] == 0
+    assert found["accuracy"] == 0.5 and found["accuracy_all"] == pytest.approx(16 / 46)
+    assert found["accuracy_all"] < 0.8 and found["confusion"]["0"]["0"] == 0
     assert found["parse_rate"] == 1.0 and found["vote_agreement"] < 1.0
     assert found["false_hint_rate"] > 0.5  # a coin gives hints where none belongs
-    assert judge_eval("--judge", "scripted:random", "--seed", "1")["accuracy_polar"] == 0.5625
+    assert judge_eval("--judge", "scripted:random", "--seed", "1")["accuracy"] == 0.5625
 
 
 def test_bad_options_are_refused_with_a_reason() -> None:

@@ -87,7 +87,7 @@ def test_summary_figures_by_hand() -> None:
         CaseResult(case(1, "tool_ok"), 0, [None, None, None], "", [-1, -1, -1], 4.0, 6.0),
     ]
     s = summarize(results)
-    assert s["accuracy"] == 0.75 and s["accuracy_polar"] == pytest.approx(2 / 3)
+    assert s["accuracy_all"] == 0.75 and s["accuracy"] == pytest.approx(2 / 3)
     assert s["confusion"] == {"+1": {"+1": 1, "0": 1, "-1": 0}, "0": {"+1": 0, "0": 1, "-1": 0},
                               "-1": {"+1": 0, "0": 0, "-1": 1}}  # fmt: skip
     assert s["parse_rate"] == pytest.approx(7 / 12) and s["votes"] == 12

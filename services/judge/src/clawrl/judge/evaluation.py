@@ -192,7 +192,8 @@ def _share(hits: int, total: int) -> float | None:
 
 
 def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
-    """The figures of a run (pure): accuracy (overall, on the +1/-1 cases, by kind), the
+    """The figures of a run (pure): accuracy (on the cases whose gold verdict is +1 or -1: what
+    a PRM is for; a coin flip scores 0.5), accuracy_all (neutral cases too), by kind, the
     confusion matrix gold x predicted, parse rates, vote agreement, hint yield and false
     hints, latency per case."""
     correct = [r.predicted == r.case.verdict for r in results]
@@ -216,8 +217,8 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
             by_kind[kind] = {"cases": len(hits), "accuracy": sum(hits) / len(hits)}
     return {
         "cases": len(results),
-        "accuracy": _share(sum(correct), len(results)),
-        "accuracy_polar": _share(sum(polar), len(polar)),
+        "accuracy": _share(sum(polar), len(polar)),
+        "accuracy_all": _share(sum(correct), len(results)),
         "confusion": confusion,
         "by_kind": by_kind,
         # prm=logprob: how well the yes share tells the +1 cases from the -1 ones (0.5: chance).
@@ -258,8 +259,8 @@ def report(summary: dict[str, Any], title: str) -> str:
     s = summary
     lines = [
         title,
-        f"PRM accuracy {_fmt(s['accuracy'])} over {s['cases']} cases "
-        f"({_fmt(s['accuracy_polar'])} on the +1/-1 cases)",
+        f"PRM accuracy {_fmt(s['accuracy'])} on the +1/-1 cases "
+        f"({_fmt(s['accuracy_all'])} over all {s['cases']} cases, neutral ones too)",
         "",
         "confusion (rows: gold, columns: predicted)",
         "gold  " + "".join(f"{LABELS[p]:>5}" for p in VERDICTS),
