@@ -316,7 +316,8 @@ def test_messages_tool_use_then_tool_result_streamed(
     a tool_result, streamed: Anthropic's event sequence, and the first turn's next state is
     that result."""
     client = anthropic_client(scripted_gateway)
-    headers = {"X-Session-Id": session_id}
+    # Sessions are the caller's: the raw request below presents the client's key.
+    headers = {"X-Session-Id": session_id, "x-api-key": "none"}
     engine.script("Let me look.\n" + CALL, "It is 24 degrees.")
     question = {"role": "user", "content": "What is the weather in Paris?"}
     first = client.messages.create(
