@@ -63,17 +63,27 @@ def judge_metric(service, use: str) -> float:
     return service.metrics.registry.get_sample_value("clawrl_judge_feedback_total", {"use": use})
 
 
+QUESTION = [{"role": "user", "content": "What is 2+3?"}]
+REPLIES: dict[str, list[dict[str, str]]] = {}  # session -> its conversation so far
+
+
 async def chat(gateway: GatewayHandle, session: str, key: str = ALICE) -> tuple[str, str]:
-    """One main turn through the official client: (response id, turn id)."""
+    """One main turn through the official client: (response id, turn id). A session's later
+    turns extend its conversation (its reply, then the user's next message), as a client's do:
+    a repeated first request would be a retry of the pending turn, not its next state."""
     client = AsyncOpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
+    history = REPLIES.get(session)
+    messages = [*history, {"role": "user", "content": "Thanks. And 3+4?"}] if history else QUESTION
     raw = await client.chat.completions.with_raw_response.create(
-        model=TINY,
-        messages=[{"role": "user", "content": "What is 2+3?"}],
-        max_tokens=4,
-        extra_headers={"X-Session-Id": session},
+        model=TINY, messages=messages, max_tokens=4, extra_headers={"X-Session-Id": session}
     )
     await client.close()
-    return raw.parse().id, raw.headers["x-turn-id"]
+    reply = raw.parse()
+    REPLIES[session] = [
+        *messages,
+        {"role": "assistant", "content": reply.choices[0].message.content},
+    ]
+    return reply.id, raw.headers["x-turn-id"]
 
 
 async def close(gateway: GatewayHandle, session: str, key: str = ALICE) -> None:
