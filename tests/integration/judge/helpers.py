@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 from redis.asyncio import Redis
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
@@ -137,3 +138,17 @@ def consumed(redis: Redis, settings: JudgeSettings) -> Callable[[], Awaitable[bo
         )
 
     return check
+
+
+def expected_teacher(engine: str, prompt_ids: list[int], response_ids: list[int], top_k: int):
+    """The engine's prompt log-probs of the whole sequence (from position 0, a different
+    request than the judge's), at the response positions."""
+    reply = httpx.post(
+        f"{engine}/generate",
+        json={"input_ids": prompt_ids + response_ids, "return_logprob": True,
+              "logprob_start_len": 0, "top_logprobs_num": top_k,
+              "sampling_params": {"max_new_tokens": 0}},
+        timeout=60,
+    ).json()["meta_info"]  # fmt: skip
+    n = len(response_ids)
+    return reply["input_token_logprobs"][-n:], reply.get("input_top_logprobs", [])[-n:]

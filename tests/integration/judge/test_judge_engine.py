@@ -9,20 +9,18 @@ import io
 import itertools
 import json
 
-import httpx
 import orjson
 import pytest
 from redis.asyncio import Redis
 
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.proto.records_pb2 import MaskReason, SampleMode
-from clawrl.common.settings import ModelSettings
 from clawrl.judge.audit import export
 from clawrl.judge.hints import inject_hint
 from clawrl.judge.service import running
 from clawrl.judge.votes import majority, parse_boxed
 
-from .helpers import judge_settings, make_turn, put_turns, said, wait_samples
+from .helpers import expected_teacher, judge_settings, make_turn, put_turns, said, wait_samples
 from .scripted_judge import openai_backend, scripted_judge
 
 pytestmark = pytest.mark.integration
@@ -31,30 +29,6 @@ TINY = "smollm2-tiny"
 HINT = "Answer with the number only, and nothing else."
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Adds numbers.",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer.from_settings(ModelSettings(path=TINY))
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(engine_factory) -> str:
-    return engine_factory(TINY)
-
-
-def expected_teacher(engine: str, prompt_ids: list[int], response_ids: list[int], top_k: int):
-    """The engine's prompt log-probs of the whole sequence (from position 0, a different
-    request than the judge's), at the response positions."""
-    reply = httpx.post(
-        f"{engine}/generate",
-        json={"input_ids": prompt_ids + response_ids, "return_logprob": True,
-              "logprob_start_len": 0, "top_logprobs_num": top_k,
-              "sampling_params": {"max_new_tokens": 0}},
-        timeout=60,
-    ).json()["meta_info"]  # fmt: skip
-    n = len(response_ids)
-    return reply["input_token_logprobs"][-n:], reply.get("input_top_logprobs", [])[-n:]
 
 
 async def test_opd_teacher_logprobs_are_the_engines_over_hinted_prompt_and_response(

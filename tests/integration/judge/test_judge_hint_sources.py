@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 
-import httpx
 import orjson
 import pytest
 from redis.asyncio import Redis
@@ -17,7 +16,6 @@ from redis.asyncio import Redis
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.feedback import Feedback
 from clawrl.common.proto.records_pb2 import MaskReason
-from clawrl.common.settings import ModelSettings
 from clawrl.common.sglang_client import SGLangClient
 from clawrl.judge.audit import export
 from clawrl.judge.feedback import TurnFeedback
@@ -26,7 +24,7 @@ from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.service import build_judge, running
 from clawrl.judge.turns import TurnView
 
-from .helpers import judge_settings, make_turn, put_turns, said, wait_samples
+from .helpers import expected_teacher, judge_settings, make_turn, put_turns, said, wait_samples
 from .scripted_judge import openai_backend, scripted_judge
 
 pytestmark = pytest.mark.integration
@@ -37,29 +35,10 @@ JUDGE_HINT = "Hint from the judge: show the sum first."
 VOTE = f"\\boxed{{1}} [HINT_START]{JUDGE_HINT}[HINT_END]"
 
 
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer.from_settings(ModelSettings(path=TINY))
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(engine_factory) -> str:
-    return engine_factory(TINY)
-
-
 def engine_logprobs(engine: str, prompt_ids: list[int], response_ids: list[int], top_k: int = 0):
-    """The engine's own log-probs (and top-K rows) of the response after `prompt_ids`."""
-    reply = httpx.post(
-        f"{engine}/generate",
-        json={"input_ids": prompt_ids + response_ids, "return_logprob": True,
-              "logprob_start_len": 0, "top_logprobs_num": top_k,
-              "sampling_params": {"max_new_tokens": 0}},
-        timeout=60,
-    ).json()["meta_info"]  # fmt: skip
-    n = len(response_ids)
-    lps = [e[0] for e in reply["input_token_logprobs"][-n:]]
-    tops = reply.get("input_top_logprobs", [])[-n:] if top_k else []
-    return lps, [[e[1] for e in row[:top_k]] for row in tops]
+    """The engine's own log-probs (and top-K ids per row) of the response after `prompt_ids`."""
+    lps, tops = expected_teacher(engine, prompt_ids, response_ids, top_k)
+    return [e[0] for e in lps], [[e[1] for e in row[:top_k]] for row in tops] if top_k else []
 
 
 def turn_for(renderer: ChatRenderer, session: str, next_text: str):
