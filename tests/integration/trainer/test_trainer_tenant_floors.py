@@ -1,6 +1,6 @@
 """Per-tenant adapters after a reset or remove (issue 30), on a real Redis and the tiny model:
-a sample trains the adapter that served it (a tenant's turn the shared policy served trains the
-shared policy); `tenants reset T` drops the samples of T's old adapter, queued or still coming,
+a sample trains the adapter that served it (a tenant's turn the shared policy served after the
+tenant's first version trains neither); `tenants reset T` drops the samples of T's old adapter, queued or still coming,
 counted and acknowledged, and across a restart (T's version floor is in the durable state); a
 reset and a `tenants remove` free T's slot for another tenant."""
 
@@ -47,11 +47,13 @@ async def test_reset_and_remove_drop_the_old_adapters_samples_and_free_its_slot(
     assert await tenant_step(trainer) == ("alice", ("alice:0", "alice:1"))  # her v1
 
     # alice:3 came from the shared policy after her v1 (a gateway that had not switched her):
-    # it trains the shared policy, not her adapter. bob finds no room (max_adapters 1).
+    # it trains neither her adapter nor the shared policy (which serves others): dropped. bob
+    # finds no room (max_adapters 1): his samples train the shared policy.
     await publish_all(redis, settings, [
         turn(2, "alice", "tenant-alice-v1"), turn(3, "alice"), turn(4, "bob"), turn(5, "bob"),
     ])  # fmt: skip
-    assert await tenant_step(trainer) == ("", ("alice:3", "bob:4"))
+    assert await tenant_step(trainer) == ("", ("bob:4", "bob:5"))
+    assert dropped(trainer, "tenant_served_shared") == 1
 
     # Reset alice: her queued sample (alice:2) is dropped, and so is one of her v1 that comes
     # after; her slot goes to bob, whose next samples start his adapter.
@@ -74,10 +76,10 @@ async def test_reset_and_remove_drop_the_old_adapters_samples_and_free_its_slot(
     await trainer.apply_resets()
     await publish_all(redis, settings, [
         turn(9, "alice", "tenant-alice-v1"), turn(10, "alice"), turn(11, "bob"),
-        turn(12, "alice"),
+        turn(12, "alice"), turn(13, "bob"),
     ])  # fmt: skip
-    assert await tenant_step(trainer) == ("", ("bob:5", "bob:11"))
     assert await tenant_step(trainer) == ("alice", ("alice:10", "alice:12"))
+    assert await tenant_step(trainer) == ("", ("bob:11", "bob:13"))
     assert dropped(trainer, "tenant_reset") == 1  # this run's: alice:9
     assert trainer.state.tenant_versions == {"alice": 2, "bob": 1}
     assert trainer.state.tenants_removed == ["bob"]

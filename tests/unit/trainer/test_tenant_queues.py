@@ -2,7 +2,15 @@
 own samples, and a busy tenant never starves a quiet one."""
 
 from clawrl.common.tenants import SHARED, TenantSettings
-from clawrl.trainer.tenants import RESET, UNROUTED, TenantQueues, adapter_of, route
+from clawrl.trainer.tenants import (
+    RESET,
+    SERVED_SHARED,
+    UNROUTED,
+    TenantQueues,
+    Unroutable,
+    adapter_of,
+    route,
+)
 
 PER_TENANT = TenantSettings(mode="per_tenant", min_samples_per_step=2, max_adapters=2)
 
@@ -64,8 +72,9 @@ def test_a_sample_trains_the_adapter_that_served_it():
 
     assert routed("alice", "tenant-alice-v2") == "alice"
     assert routed("alice", "tenant-alice-v1") == RESET  # below her floor: since reset
-    assert routed("alice", "") == SHARED  # v2 is hers, yet the shared policy served this one
-    assert routed("alice", "policy-v7") == SHARED
+    # v2 is hers, yet the shared policy served this one (a sync's lag): neither trains on it.
+    assert routed("alice", "") == SERVED_SHARED == Unroutable("tenant_served_shared")
+    assert routed("alice", "policy-v7") == SERVED_SHARED
     assert routed("bob", "") == "bob"  # a new adapter starts from the shared policy's turns
     assert routed("bob", "tenant-alice-v2") == "bob"  # another tenant's name: not bob's
     assert routed("bob", "", removed=["bob"]) == SHARED

@@ -3,10 +3,12 @@ which tenant's batch goes next.
 
 Each sample trains exactly one adapter, the one that served it (`route`): a turn served by its
 tenant's adapter (`Sample.weight_version` is `tenant-T-vN`) trains that adapter, one served by the
-shared policy trains the shared policy. One exception starts an adapter: while a selected tenant's
-adapter has no exported version yet (new, or reset), the tenant is served the shared policy and
-its samples train its adapter, which starts as a copy of the shared one. A tenant gets an adapter
-when it is selected (`allow`/`pattern`), not removed, and there is room (`max_adapters`); a
+shared policy trains the shared policy when its tenant has no adapter. A selected tenant's
+adapter starts from the shared policy's turns: while it has no exported version yet (new, or
+reset), the tenant is served the shared policy and its samples train its adapter, a copy of the
+shared one; once it has one, a turn the shared policy still served (a sync's lag) is dropped
+(SERVED_SHARED), so no tenant's words reach the policy that serves the others. A tenant gets an
+adapter when it is selected (`allow`/`pattern`), not removed, and there is room (`max_adapters`); a
 reset or a remove frees its slot. Samples of an adapter that was reset or removed since they were
 served (below the tenant's version floor), or of a tenant no longer selected, are dropped.
 Samples wait in one queue per adapter; a tenant's step takes `min_samples_per_step` of its own
@@ -73,6 +75,11 @@ class Unroutable:
 RESET = Unroutable("tenant_reset")
 # The tenant's adapter served it, but the tenant no longer has one (taken out of allow/pattern).
 UNROUTED = Unroutable("tenant_unrouted")
+# The shared policy served a tenant whose adapter was exported already (the sync had not reached
+# the gateway yet). Training the shared policy on it would carry this tenant's words to every
+# tenant the shared policy serves; training the adapter on it would measure it against another
+# version's weights. It is dropped: a few turns of a sync's lag.
+SERVED_SHARED = Unroutable("tenant_served_shared")
 
 
 def route(
@@ -100,7 +107,7 @@ def route(
         return SHARED
     adapter = adapter_of(tenant, settings, owners)
     if adapter != SHARED and versions.get(tenant, 0) >= floor:
-        return SHARED  # its adapter is exported, yet the shared policy served this turn
+        return SERVED_SHARED  # its adapter is exported, yet the shared policy served this turn
     return adapter
 
 
