@@ -1,8 +1,8 @@
 """Per-tenant adapters after a reset or remove (issue 30), on a real Redis and the tiny model:
 a sample trains the adapter that served it (a tenant's turn the shared policy served after the
-tenant's first version trains neither); `tenants reset T` drops the samples of T's old adapter, queued or still coming,
-counted and acknowledged, and across a restart (T's version floor is in the durable state); a
-reset and a `tenants remove` free T's slot for another tenant."""
+tenant's first version trains neither); `tenants reset T` drops the samples of T's old adapter,
+queued or still coming, counted and acknowledged, and across a restart (T's version floor is in
+the durable state); a reset and a `tenants remove` free T's slot for another tenant."""
 
 from __future__ import annotations
 
