@@ -9,6 +9,7 @@ import sys
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "deploy/local"))
+import options
 import stack
 
 
@@ -34,7 +35,7 @@ def test_opd_defaults_to_the_hint_plugin_and_the_policy_engine_as_teacher() -> N
     assert not stack.needs_judge_engine(a)  # one engine for the policy and the teacher
     env = stack.judge_env(a)
     assert env["CLAWRL_JUDGING__MODE"] == "opd"
-    assert env["CLAWRL_JUDGING__HINT_FN"] == stack.HINT_FN
+    assert env["CLAWRL_JUDGING__HINT_FN"] == options.HINT_FN
     assert json.loads(env["CLAWRL_JUDGING__HINT_FN_ARGS"]) == {"drop_after": "Next:"}
     assert env["CLAWRL_JUDGING__HINT_VOTES"] == "false"
     assert env["CLAWRL_TEACHER__ENGINE"] == "policy"
