@@ -78,8 +78,15 @@ async def test_teacher_pass_alignment_and_top_k(sglang_url):
     signal = teacher_from_meta(meta, response, TOP_K)
     assert len(signal.logprobs) == len(response)
     assert len(signal.topk_ids) == len(response) * TOP_K
-    # Greedy tokens are each position's most likely one: the teacher's top-1 is the token.
-    assert signal.topk_ids[::TOP_K] == response
+    rows = [range(t * TOP_K, (t + 1) * TOP_K) for t in range(len(response))]
+    for t, row in enumerate(rows):
+        ids = [signal.topk_ids[i] for i in row]
+        lps = [signal.topk_logprobs[i] for i in row]
+        assert lps == sorted(lps, reverse=True)  # most likely first
+        # The greedy token is in its row and ties the row's best: decode and prefill round
+        # differently in bf16, so a near-tie (CI saw one) may swap top-1, never by more.
+        assert response[t] in ids
+        assert signal.logprobs[t] == pytest.approx(lps[0], abs=0.1)
     sampled_lps = [e[0] for e in sampled["meta_info"]["output_token_logprobs"]]
     assert signal.logprobs == pytest.approx(sampled_lps, abs=0.1)
 

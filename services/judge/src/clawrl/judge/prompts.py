@@ -115,9 +115,9 @@ PRM_SYSTEM = (
 )
 
 PRM_TASK = """Judge the ASSISTANT'S REPLY, using WHAT CAME NEXT as evidence.
-- A USER message that came next is feedback on the reply. Thanks, approval, or moving on to a \
-new request means the reply was good. Asking for a redo, correcting it ("no, I meant ..."), \
-complaining, or rephrasing the same request means it was bad.
+- A USER message that came next is feedback on the reply. Thanks or approval means the reply \
+was good. Asking for a redo, correcting it ("no, I meant ..."), complaining, or rephrasing the \
+same request means it was bad. Moving on to an unrelated request says nothing about the reply.
 - A TOOL RESULT that came next exists because the assistant called that tool. A successful, \
 useful result means the call was good. An error caused by the call (wrong tool, bad or missing \
 arguments) means it was bad.
