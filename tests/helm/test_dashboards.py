@@ -1,4 +1,4 @@
-"""The Grafana dashboards: generated from deploy/grafana/dashboards.py and up to date, valid
+"""The Grafana dashboards: generated from deploy/grafana/dashboards/ and up to date, valid
 JSON that Grafana imports, shipped by the chart, and querying only metrics that exist."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ EXPECTED = {"serving", "engines", "judge", "learning", "cluster"}
 
 def test_the_committed_dashboards_are_the_generated_ones() -> None:
     committed = {path.name: path.read_text() for path in DASHBOARDS.glob("*.json")}
-    assert committed == render_all(), "run: python deploy/grafana/dashboards.py"
+    assert committed == render_all(), "run: python -m deploy.grafana.dashboards"
 
 
 def test_every_area_has_a_dashboard() -> None:
