@@ -86,7 +86,7 @@ def retried_orphans(gateway) -> float:
 @pytest.mark.parametrize("named", [True, False], ids=["session-id", "anonymous"])
 def test_a_retried_request_finalises_its_unused_original_as_an_orphan(gateway, named):
     """An SDK that timed out sends the same history again: the first reply, never seen by the
-    client, is finalised SUPERSEDED with no next state (not trained beside the retry's turn,
+    client, is finalised RETRY_ORPHAN with no next state (not trained beside the retry's turn,
     and not given its own prompt as a next state); the retry's turn goes on as the session's."""
     tag = uuid.uuid4().hex[:8]
     headers = {"X-Session-Id": f"retry-{tag}"} if named else {}
@@ -102,7 +102,7 @@ def test_a_retried_request_finalises_its_unused_original_as_an_orphan(gateway, n
     gateway.chat(final, headers={**headers, "X-Session-Done": "true"})
     turns = {t.turn_id: t for t in gateway.wait_turns(sid, 4)}
     orphan = turns[original.headers["x-turn-id"]]
-    assert orphan.finalize_reason == FinalizeReason.FINALIZE_REASON_SUPERSEDED
+    assert orphan.finalize_reason == FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN
     assert orphan.next_state_json == "" and not orphan.history_mismatch
     kept = turns[retry.headers["x-turn-id"]]
     assert kept.finalize_reason == FinalizeReason.FINALIZE_REASON_NEXT_STATE

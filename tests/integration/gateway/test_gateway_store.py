@@ -26,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 NEXT = finalize_extra("g", FinalizeReason.FINALIZE_REASON_NEXT_STATE, [{"role": "user"}])
 SUPERSEDED = finalize_extra("g", FinalizeReason.FINALIZE_REASON_SUPERSEDED)
+ORPHANED = finalize_extra("g", FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN)
 DONE = finalize_extra("g", FinalizeReason.FINALIZE_REASON_SESSION_DONE)
 MISMATCH = Turn(history_mismatch=True).SerializeToString()
 
@@ -65,7 +66,7 @@ async def record(store, request_id, session_id=None, *, scope="-", prefixes=("h"
         mismatch=MISMATCH,
         superseded=SUPERSEDED,
         new_session_id=f"anon-{uuid.uuid4().hex}",
-        **turn,
+        **{"orphaned": ORPHANED, **turn},
     )
 
 
@@ -257,7 +258,8 @@ async def test_one_session_id_names_a_session_of_each_caller(store):
 
 async def test_a_retry_of_the_pending_request_finalises_it_as_an_orphan(store):
     """A request with the pending turn's own history is its client retrying it: the pending
-    turn is finalised as superseded (no next state, no mismatch), the retry's turn is pending."""
+    turn is finalised as RETRY_ORPHAN (no next state, no mismatch), the retry's turn is pending.
+    A call spooled by an older gateway (no orphaned extra) finalises it as superseded."""
     await store_turn(store, "req-0", "s")
     retried = dict(turn=turn_bytes("first"), history_hash="h1", request_hash="q1")
     await record(store, "req-1", "s", **retried)
@@ -267,11 +269,17 @@ async def test_a_retry_of_the_pending_request_finalises_it_as_an_orphan(store):
     turns = {t.response_text: t for t in await published(store)}
     assert set(turns) == {"r", "first"}
     orphan = turns["first"]
-    assert orphan.finalize_reason == FinalizeReason.FINALIZE_REASON_SUPERSEDED
+    assert orphan.finalize_reason == FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN
     assert not orphan.next_state_json and not orphan.history_mismatch
     # The retry's own turn is the pending one: the next request extends it as usual.
     follow = await advance(store, "req-3", "s", prefixes=("h1",))
     assert follow.finalized_turn_id == tid("req-0", 2) and not follow.history_mismatch
+    await record(store, "req-4", "s", **retried)
+    old = await record(store, "req-5", "s", **retried, orphaned=b"")
+    assert old.orphaned_turn_id == tid("req-0", 3)
+    assert (await published(store))[-1].finalize_reason == (
+        FinalizeReason.FINALIZE_REASON_SUPERSEDED
+    )
 
 
 async def test_a_session_left_by_an_older_gateway_is_still_swept(store):

@@ -1,11 +1,12 @@
 """Turns the judge masks whatever the signal: a next state from a request whose history did not
-extend the turn (issue 30: it is not known to answer this reply)."""
+extend the turn (issue 30: it is not known to answer this reply), and a retry's orphan (the
+client retried the request and never used the reply)."""
 
 from __future__ import annotations
 
 import json
 
-from clawrl.common.proto.records_pb2 import MaskReason, Turn
+from clawrl.common.proto.records_pb2 import FinalizeReason, MaskReason, Turn
 from clawrl.judge.core import Judge
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.rewards import load_reward_fn
@@ -30,3 +31,20 @@ async def test_a_mismatched_history_masks_the_turn() -> None:
     assert masked.sample.mask_reason == MaskReason.MASK_REASON_HISTORY_MISMATCH
     assert set(masked.sample.loss_mask) == {0.0} and masked.sample.reward == 0.0
     assert metrics.masked.labels("MASK_REASON_HISTORY_MISMATCH")._value.get() == 1
+
+
+async def test_a_retry_orphan_is_masked_though_its_reward_fn_scores_it() -> None:
+    """The reward_fn scores the reply alone (+1, no next state needed): the orphan is published
+    masked, not trained beside the retry's own turn."""
+    metrics = JudgeMetrics()
+    reward_fn = load_reward_fn("tests.integration.judge.plugins:by_response")
+    judge = Judge(mode="rl", metrics=metrics, reward_fn=reward_fn)
+    orphan = turn(False)
+    del orphan.next_state_messages_json[:]
+    orphan.finalize_reason = FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN
+    masked = await judge.judge(TurnView(orphan))
+    assert masked.sample.mask_reason == MaskReason.MASK_REASON_RETRY_ORPHAN
+    assert set(masked.sample.loss_mask) == {0.0} and masked.sample.reward == 0.0
+    assert masked.audit["finalize_reason"] == "FINALIZE_REASON_RETRY_ORPHAN"
+    assert masked.audit["mask_reason"] == "MASK_REASON_RETRY_ORPHAN"
+    assert metrics.masked.labels("MASK_REASON_RETRY_ORPHAN")._value.get() == 1

@@ -315,6 +315,9 @@ class Recorder:
             "superseded": finalize_extra(
                 self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
             ),
+            "orphaned": finalize_extra(
+                self.gateway_id, FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN
+            ),
             "new_session_id": context.session_id,
             "turn": turn,
             "history_hash": history_hash,
@@ -371,9 +374,9 @@ class Recorder:
             self._finalized("done", result.turn_id)
         if result.orphaned_turn_id:
             # The client retried the request of the pending turn (same caller, session and
-            # history): it never used that reply. Finalised as SUPERSEDED (no next state), so
-            # it is neither trained a second time beside the retry's turn nor given the retry's
-            # own prompt as its next state.
+            # history): it never used that reply. Finalised as RETRY_ORPHAN (no next state),
+            # so it is neither trained a second time beside the retry's turn (the judge masks
+            # it) nor given the retry's own prompt as its next state.
             self._finalized("retry_orphan", result.orphaned_turn_id)
             log.info("turn %s finalised as a retry's orphan: the next request repeated its "
                      "history", result.orphaned_turn_id,

@@ -282,6 +282,7 @@ class SessionStore:
         request_hash: str = "",
         done: bytes = b"",
         now: float | None = None,
+        orphaned: bytes = b"",
     ) -> Recorded:
         """One main request: resolve its session (by `prefixes` when it sent none, one round
         trip more: `new_session_id` when no live conversation of the caller matches), finalise the
@@ -289,7 +290,8 @@ class SessionStore:
         `arrived`), then store `turn` (none: the request failed) as pending, or publish it with
         `done` appended. A failed request with `done` closes its session. `request_hash`: the
         hash of the request's whole history: a pending turn whose request had the same one is a
-        retry's orphan, finalised as superseded (the client never used its reply). `now`: when
+        retry's orphan, finalised with `orphaned` (the client never used its reply; b"": with
+        `superseded`, as a call spooled by an older gateway has none). `now`: when
         the call was made (a call replayed from the spool keeps its time, so the pending turn it
         stores still precedes the next request's `arrived`)."""
         owner, ambiguous = None, False
@@ -321,6 +323,7 @@ class SessionStore:
                 done,
                 session_epoch(request_id),
                 self.feedback_ttl_s,
+                orphaned,
             ],
         )
         sid, tid, mismatched, ambiguous, turn_id, old, claim = reply[:7]

@@ -251,6 +251,10 @@ class Judge:
             set_mask(sample, MaskReason.MASK_REASON_UNKNOWN_VERSION)
         elif mixed_policy(turn):
             set_mask(sample, MaskReason.MASK_REASON_MIXED_POLICY)
+        elif turn.finalize_reason == FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN:
+            # The client retried this turn's request and never used its reply: the retry's
+            # own turn is the one trained.
+            set_mask(sample, MaskReason.MASK_REASON_RETRY_ORPHAN)
         elif turn.history_mismatch:
             # The next request did not extend this turn's conversation (the client edited or
             # truncated it, or another conversation took the session id): its last message is

@@ -18,6 +18,7 @@ class FinalizeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINALIZE_REASON_SESSION_DONE: _ClassVar[FinalizeReason]
     FINALIZE_REASON_IDLE_TIMEOUT: _ClassVar[FinalizeReason]
     FINALIZE_REASON_SUPERSEDED: _ClassVar[FinalizeReason]
+    FINALIZE_REASON_RETRY_ORPHAN: _ClassVar[FinalizeReason]
 
 class SampleMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ FINALIZE_REASON_NEXT_STATE: FinalizeReason
 FINALIZE_REASON_SESSION_DONE: FinalizeReason
 FINALIZE_REASON_IDLE_TIMEOUT: FinalizeReason
 FINALIZE_REASON_SUPERSEDED: FinalizeReason
+FINALIZE_REASON_RETRY_ORPHAN: FinalizeReason
 SAMPLE_MODE_UNSPECIFIED: SampleMode
 SAMPLE_MODE_BINARY_RL: SampleMode
 SAMPLE_MODE_OPD: SampleMode

@@ -3,9 +3,9 @@
 -- publish it at once when the session is done). An anonymous request's session was resolved
 -- before (SessionStore.resolve), as the session's keys must be known to be passed in KEYS.
 -- A turn stored after this request arrived is a concurrent sibling, not the turn this request
--- answers: it is finalised as superseded, never given this request's next state. So is a turn
+-- answers: it is finalised as superseded, never given this request's next state. Nor is a turn
 -- whose request had this request's very history: the client retried it (an SDK's retry after a
--- timeout) and never used its reply, the retry's orphan.
+-- timeout) and never used its reply; it is finalised as the retry's orphan.
 -- The session is the caller's own: its state key, its active-set and pending-history entries
 -- are of member `{scope}:{session_id}`; the session id in turn ids and claims is the client's.
 -- KEYS: 1 active, 2 stream, 3 request key, 4 (below), 5 session state, 6 pending-history
@@ -18,7 +18,8 @@
 --       12 arrival time of the request, 13 superseded extra,
 --       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
 --       reply), 16 done extra ('' = keep the turn pending), 17 epoch for a session state this
---       request creates, 18 feedback index TTL (0 = feedback off).
+--       request creates, 18 feedback index TTL (0 = feedback off), 19 orphaned extra ('' =
+--       the superseded extra: a call spooled by an older gateway).
 -- KEYS[4]: the feedback index of this request's response id (POST /v1/feedback).
 -- Returns {session id, finalised turn id or '', history mismatch 0/1, ambiguous history 0/1,
 --          turn id or '', superseded turn id or '', ambiguous claim 0/1, orphaned turn id or ''}.
@@ -35,7 +36,9 @@ if hist then
   if at > tonumber(ARGV[12]) then
     result[6] = finalize_pending(member, skey, KEYS[2], ARGV[6], ARGV[13])
   elseif ARGV[10] ~= '' and redis.call('HGET', skey, 'req') == ARGV[10] then
-    result[8] = finalize_pending(member, skey, KEYS[2], ARGV[6], ARGV[13])
+    local orphaned = ARGV[19]
+    if orphaned == '' then orphaned = ARGV[13] end
+    result[8] = finalize_pending(member, skey, KEYS[2], ARGV[6], orphaned)
   else
     local extra = ARGV[8] .. ARGV[9]
     result[3] = 1
