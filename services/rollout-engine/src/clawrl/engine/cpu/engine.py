@@ -18,7 +18,8 @@ from clawrl.common.process_groups import destroy_group, join_group, receive_broa
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.cpu.adapters import PreparedAdapter, prepare_adapter
 from clawrl.engine.cpu.runner import CheckpointError, ModelRunner, read_checkpoint
-from clawrl.engine.cpu.scheduler import Scheduler, Sequence
+from clawrl.engine.cpu.scheduler import Scheduler
+from clawrl.engine.cpu.sequence import Sequence
 from clawrl.engine.generation import GenerationRequest, GenerationState, GenerationUpdate
 from clawrl.engine.lora import (
     LoraError,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from clawrl.engine.generation import GREEDY_TEMPERATURE, SamplingRow
+from clawrl.engine.generation import GREEDY_TEMPERATURE, SamplingRow, TopLogprobs
 
 
 def filter_logits(
@@ -91,3 +91,27 @@ def token_logprobs(
         return logp, None, None
     values, ids = logp_all.topk(top_n, dim=-1)
     return logp, values, ids
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], top_n: list[int]
+) -> tuple[dict[int, float], dict[int, TopLogprobs]]:
+    """By row, for `rows` only: the raw log-prob of the sampled token, and the row's top
+    `top_n[row]` (log-prob, id) alternatives when it asks for any.
+
+    logits: [B, V], next_ids: [B] -> {row: logp}, {row: [(logp, id)] * top_n[row]}.
+    """
+    logps: dict[int, float] = {}
+    tops: dict[int, TopLogprobs] = {}
+    if not rows:
+        return logps, tops
+    index = torch.tensor(rows)
+    lp, top_vals, top_ids = token_logprobs(
+        logits.index_select(0, index), next_ids.index_select(0, index), max(top_n[i] for i in rows)
+    )
+    for j, i in enumerate(rows):
+        logps[i] = float(lp[j])
+        n = top_n[i]
+        if n > 0 and top_vals is not None and top_ids is not None:
+            tops[i] = list(zip(top_vals[j, :n].tolist(), top_ids[j, :n].tolist(), strict=True))
+    return logps, tops

@@ -13,18 +13,8 @@ paused, the running requests are retracted instead (their KV dropped) and re-pre
 the new weights on resume. A request reports the version that produced its tokens.
 
 LoRA: each sequence runs through its own adapter (or the base model) inside one mixed batch;
-a batch holds at most max_loras_per_batch distinct adapters (the base model counting as one), a
-request that would exceed it waits while later ones that fit are admitted (as SGLang does).
-Every loaded adapter's checked tensors stay in host memory; at most max_loras_per_batch of them
-are injected in the model (resident). A request for a loaded but non-resident adapter has it
-injected when it is admitted, evicting the least recently used (or first injected) resident
-adapter that no running request uses and that is not pinned, as SGLang's LoRA memory pool
-does; without such a slot the request waits. One adapter is injected per turn, outside the
-queue's lock. So that busy adapters cannot keep the batch full forever, once a request has
-waited lora_drain_wait_threshold seconds for a slot, the running adapter with the fewest tokens
-left takes no new requests until its running ones end (SGLang's LoRA drainer), and the slot it
-frees goes to the oldest waiting request. Adapters are added and removed between two steps
-(`add_adapter`, `remove_adapter`).
+which adapters a batch can hold and which are resident is `LoraSlots`'s (see lora_slots.py).
+Adapters are added and removed between two steps (`add_adapter`, `remove_adapter`).
 
 The asyncio side never touches torch: it submits requests and commands through thread-safe
 queues and receives GenerationUpdates through each sequence's `emit` callback (which hops onto
@@ -45,14 +35,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from clawrl.engine.cpu.adapters import PreparedAdapter, ResidentSet
-from clawrl.engine.cpu.detokenizer import IncrementalDetokenizer
+from clawrl.engine.cpu.adapters import PreparedAdapter
+from clawrl.engine.cpu.lora_slots import LoraSlots
 from clawrl.engine.cpu.prefix_cache import LayerKV, PrefixCache
 from clawrl.engine.cpu.runner import KvBatch, ModelRunner, layer_kv, merge_kv, select_kv
-from clawrl.engine.cpu.sampling import sample_next_tokens, token_logprobs
-from clawrl.engine.cpu.stops import find_stop_string, token_finish
+from clawrl.engine.cpu.sampling import sample_next_tokens, sampled_logprobs
+from clawrl.engine.cpu.sequence import Decode, Emit, Sequence
 from clawrl.engine.generation import (
-    FinishReason,
     GenerationRequest,
     GenerationUpdate,
     abort_reason,
@@ -63,9 +52,6 @@ from clawrl.engine.settings import EngineServerSettings
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[GenerationUpdate], None]
-Decode = Callable[[list[int], bool], str]
-
 # How long the idle loop sleeps before looking again (a submit wakes it at once).
 IDLE_WAIT_S = 0.5
 # Window over which sglang:gen_throughput is measured.
@@ -74,54 +60,6 @@ THROUGHPUT_WINDOW_S = 2.0
 
 class QueueFullError(RuntimeError):
     """No room in the waiting queue."""
-
-
-class Sequence:
-    """One request inside the scheduler. `aborted` may be set from any thread."""
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        emit: Emit,
-        generator: torch.Generator | None,
-        decode: Decode,
-    ):
-        self.request = request
-        self.emit = emit
-        self.generator = generator
-        self.output_ids: list[int] = []
-        self.aborted: str | None = None
-        self.arrived = time.perf_counter()
-        self.last_token_at: float | None = None
-        self.detok = IncrementalDetokenizer(decode, request.skip_special_tokens)
-        self.text_sent = 0  # characters of detok.text already emitted
-        self.stop_scanned = 0  # characters of detok.text already searched for stop strings
-        self.weight_version = ""
-        self.cached_tokens: int | None = None  # set at the first prefill
-        self.adapter = request.lora_id  # LoRA adapter key; None: the base model
-        self.slot_wait_since: float | None = None  # when it first waited for an adapter slot
-        # Prefill state: the tokens to put in the KV (the prompt, plus the output so far when
-        # a retracted sequence comes back), how many are in already, and that KV.
-        self.feed: list[int] = list(request.input_ids)
-        self.fed = 0
-        self.cache: Any = None  # DynamicCache or prefix-cache KV while prefilling
-        self.prev_hidden: torch.Tensor | None = None  # [H] of the last fed token
-        self.input_logprobs: list[float | None] = []
-        self.input_top: list = []
-        self.input_sent = False
-
-    @property
-    def wants_input_logprobs(self) -> bool:
-        req = self.request
-        return req.return_logprob and req.logprob_start_len >= 0 and not self.input_sent
-
-    def retract(self) -> None:
-        """Drop this sequence's KV; it will be prefilled again with its output so far."""
-        self.feed = list(self.request.input_ids) + self.output_ids
-        self.fed, self.cache, self.prev_hidden = 0, None, None
-
-    def abort(self, reason: str) -> None:
-        self.aborted = reason
 
 
 class Scheduler:
@@ -164,12 +102,7 @@ class Scheduler:
         self._window_start = time.perf_counter()
         self._prompt_total = 0
         self._cached_total = 0
-        # Every loaded adapter's checked tensors, by key; at most max_loras_per_batch resident.
-        self._adapters: dict[str, PreparedAdapter] = {}
-        self._names: dict[str | None, str] = {None: "(base model)"}  # key -> name, for logs
-        self._resident = ResidentSet(settings.max_loras_per_batch, settings.lora_eviction_policy)
-        # A running adapter taking no new requests -> the adapter it makes room for.
-        self._draining: dict[str | None, str | None] = {}
+        self.lora = LoraSlots(runner, settings, metrics)
         self._thread = threading.Thread(target=self._loop, name="clawrl-model", daemon=True)
 
     # ----- called from the asyncio side ----------------------------------------------------
@@ -254,34 +187,13 @@ class Scheduler:
     ) -> None:
         """Take a checked adapter (run through `call`: between two steps): kept in host memory,
         and injected now when a slot is free (else when a request needs it)."""
-        self._adapters[key] = adapter
-        self._names[key] = name or key
-        if pinned:
-            self._resident.pinned.add(key)
-        if not self._resident.full:
-            try:
-                self._inject(key)
-            except BaseException:
-                self._forget(key)
-                raise
+        self.lora.add(key, adapter, pinned, name)
         self._update_gauges()
 
     @property
     def resident_adapters(self) -> list[str]:
         """Keys of the injected adapters, first to be evicted first."""
-        return self._resident.keys()
-
-    def _inject(self, key: str) -> None:
-        start = time.perf_counter()
-        self.runner.add_adapter(key, self._adapters[key])
-        self._resident.add(key)
-        self.metrics.lora_swap_seconds.labels(op="load").observe(time.perf_counter() - start)
-
-    def _forget(self, key: str) -> None:
-        self._adapters.pop(key, None)
-        self._names.pop(key, None)
-        self._resident.pinned.discard(key)
-        self._draining.pop(key, None)
+        return self.lora.resident.keys()
 
     def remove_adapter(self, key: str) -> None:
         """Delete an adapter and its cached KV (run through `call`). Its requests have ended
@@ -289,10 +201,7 @@ class Scheduler:
         step drops it, so drop it first."""
         start = time.perf_counter()
         self._drop_aborted()
-        self._forget(key)
-        if key in self._resident:
-            self._resident.discard(key)
-            self.runner.remove_adapter(key)
+        self.lora.remove(key)
         self.metrics.lora_swap_seconds.labels(op="unload").observe(time.perf_counter() - start)
         if self.prefix_cache is not None:
             dropped = self.prefix_cache.drop(key)
@@ -392,17 +301,17 @@ class Scheduler:
     def _admit(self) -> None:
         """Waiting requests that fit now: a batch slot, the KV budget by current use (not by
         max_new_tokens: a request that outgrows it later is retracted), the prefill budget, and
-        room for their adapter (see the module's docstring)."""
+        room for their adapter (see lora_slots.py)."""
         s = self.settings
         used = self._kv_in_use()
         round_tokens = 0
         busy = self._running + self._prefilling
         adapters = {seq.adapter for seq in busy}
-        self._resident.touch(adapters)
+        self.lora.resident.touch(adapters)
         held_back: list[Sequence] = []  # no room for their adapter now
         inject: tuple[Sequence, str | None] | None = None  # (request, adapter to evict)
         with self._lock:
-            self._update_draining(busy, adapters)
+            self.lora.update_draining(busy, adapters, self._waiting)
             while self._waiting and self.num_running < s.max_running_requests:
                 seq = self._waiting.popleft()
                 if seq.aborted:
@@ -410,8 +319,8 @@ class Scheduler:
                     continue
                 key = seq.adapter
                 full = key not in adapters and len(adapters) >= s.max_loras_per_batch
-                if full or key in self._draining:
-                    self._wait_for_slot(seq, held_back)
+                if full or key in self.lora.draining:
+                    self.lora.wait_for_slot(seq, held_back)
                     continue
                 need = len(seq.feed) + 1
                 alone = not self._running and not self._prefilling
@@ -421,10 +330,11 @@ class Scheduler:
                 if not (fits or alone):
                     self._waiting.appendleft(seq)
                     break
-                if key is not None and key not in self._resident:
-                    victim = self._resident.victim(adapters) if self._resident.full else None
-                    if self._resident.full and victim is None:  # every slot busy or pinned
-                        self._wait_for_slot(seq, held_back)
+                resident = self.lora.resident
+                if key is not None and key not in resident:
+                    victim = resident.victim(adapters) if resident.full else None
+                    if resident.full and victim is None:  # every slot busy or pinned
+                        self.lora.wait_for_slot(seq, held_back)
                         continue
                     inject = (seq, victim)  # slow: done below, outside the lock
                     break
@@ -433,98 +343,12 @@ class Scheduler:
                 adapters.add(key)
                 self._admitted(seq)
             self._waiting.extendleft(reversed(held_back))
-        if inject is not None:
-            self._make_resident(*inject)
-
-    def _named(self, keys) -> list[str]:
-        return [self._names.get(key, str(key)) for key in keys]
-
-    def _wait_for_slot(self, seq: Sequence, held_back: list[Sequence]) -> None:
-        if seq.slot_wait_since is None:
-            seq.slot_wait_since = time.perf_counter()
-            self.metrics.lora_slot_waits.inc()
-            log.info("request %s waits for a slot for LoRA adapter %s (resident: %s; "
-                     "draining: %s)", seq.request.rid, self._names.get(seq.adapter),
-                     self._named(self._resident.keys()), self._named(self._draining))  # fmt: skip
-        held_back.append(seq)
+        if inject is not None and self.lora.make_resident(*inject):
+            self._admitted(inject[0])
 
     def _admitted(self, seq: Sequence) -> None:
-        if seq.slot_wait_since is not None:
-            waited = time.perf_counter() - seq.slot_wait_since
-            self.metrics.lora_slot_wait_seconds.observe(waited)
-            seq.slot_wait_since = None
-        self._resident.touch([seq.adapter])
+        self.lora.admitted(seq)
         self._start_prefill(seq)
-
-    def _make_resident(self, seq: Sequence, victim: str | None) -> None:
-        """Inject the adapter `seq` needs (in place of `victim`, when the slots are full), then
-        start `seq`."""
-        key = seq.adapter
-        assert key is not None
-        start = time.perf_counter()
-        try:
-            if victim is None:
-                self._inject(key)
-            else:
-                self._replace(victim, key)
-        except Exception:  # peft refused what the checks let through
-            log.exception("injecting LoRA adapter %s failed; aborting request %s", key,
-                          seq.request.rid)  # fmt: skip
-            self.metrics.engine_errors.inc()
-            self.metrics.aborted_requests.labels(reason="error").inc()
-            seq.emit(GenerationUpdate(finish=abort_reason("engine error loading the adapter")))
-            return
-        self.metrics.lora_on_demand_loads.inc()
-        log.info("LoRA adapter %s made resident for request %s in %.3f s", self._names.get(key),
-                 seq.request.rid, time.perf_counter() - start)  # fmt: skip
-        self._admitted(seq)
-
-    def _replace(self, victim: str, key: str) -> None:
-        """Evict `victim` (its tensors stay in host memory, its cached KV stays valid) for
-        `key`. An adapter of the victim's shape takes over its injected modules (milliseconds);
-        any other is injected anew once the victim is deleted."""
-        start = time.perf_counter()
-        self._resident.discard(victim)
-        self.metrics.lora_evictions.labels(level="resident").inc()
-        log.info("evicting LoRA adapter %s to make room for %s", self._names.get(victim),
-                 self._names.get(key))  # fmt: skip
-        if self.runner.replace_adapter(victim, key, self._adapters[key]):
-            self._resident.add(key)
-            elapsed = time.perf_counter() - start
-            self.metrics.lora_swap_seconds.labels(op="replace").observe(elapsed)
-            return
-        self.runner.remove_adapter(victim)
-        self.metrics.lora_swap_seconds.labels(op="evict").observe(time.perf_counter() - start)
-        self._inject(key)
-
-    def _update_draining(self, busy: list[Sequence], adapters: set[str | None]) -> None:
-        """Stop new requests for running adapters that must make room for one whose request
-        waited past lora_drain_wait_threshold (the batch being full); an adapter drains until
-        its last running request ends. Called with the queue's lock held."""
-        for key in [k for k in self._draining if k not in adapters]:
-            del self._draining[key]
-        threshold = self.settings.lora_drain_wait_threshold
-        if threshold <= 0 or len(adapters) < self.settings.max_loras_per_batch:
-            return
-        now = time.perf_counter()
-        served = set(self._draining.values())
-        starving: list[str | None] = []
-        for seq in self._waiting:  # oldest first
-            since = seq.slot_wait_since
-            if since is None or now - since <= threshold or seq.adapter in adapters:
-                continue
-            if seq.adapter not in served and seq.adapter not in starving:
-                starving.append(seq.adapter)
-        left = tokens_left(busy)
-        for key in starving:
-            candidates = [k for k in adapters if k not in self._draining]
-            if not candidates:
-                break
-            drained = min(candidates, key=lambda k: left[k])
-            self._draining[drained] = key
-            self.metrics.lora_drains.inc()
-            log.info("draining LoRA adapter %s (%d tokens left) to make room for %s",
-                     self._names.get(drained), left[drained], self._names.get(key))  # fmt: skip
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Take the longest cached prefix (never the last token: its logits are needed, nor
@@ -561,7 +385,7 @@ class Scheduler:
                     seq.cache, seq.fed, seq.feed[seq.fed : seq.fed + n], seq.adapter
                 )
                 if seq.wants_input_logprobs:
-                    self._input_logprobs(seq, result.hidden)
+                    seq.add_input_logprobs(result.hidden, self.runner.logprobs_of)
             except Exception:
                 # A prompt that cannot be prefilled (e.g. out of memory) fails alone; the
                 # running batch is untouched and keeps decoding.
@@ -579,38 +403,13 @@ class Scheduler:
                 self._prefilled(seq, result.last_logits)
         return worked
 
-    def _input_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Collect the prompt log-probs this chunk (hidden: [n, H], positions fed-n..fed-1 of
-        the prompt, not yet counted in seq.fed) makes computable."""
-        req = seq.request
-        first = seq.fed  # position of hidden[0]
-        end = min(first + hidden.shape[0], len(req.input_ids))
-        start = max(req.logprob_start_len, first)
-        if start == 0:
-            seq.input_logprobs.append(None)  # the first token has no log-prob, as in SGLang
-            seq.input_top.append(None)
-            start = 1
-        if start >= end:
-            return
-        # Target p is predicted by the hidden state at p - 1 (the previous chunk's last one
-        # when p is this chunk's first position).
-        states = hidden if seq.prev_hidden is None else torch.cat([seq.prev_hidden[None], hidden])
-        offset = first if seq.prev_hidden is None else first - 1
-        logps, tops = self.runner.logprobs_of(
-            states[start - 1 - offset : end - 1 - offset],
-            req.input_ids[start:end],
-            req.top_logprobs_num,
-        )
-        seq.input_logprobs.extend(logps)
-        seq.input_top.extend(tops)
-
     def _prefilled(self, seq: Sequence, last_logits: torch.Tensor) -> None:
         """A sequence's whole prompt is in its KV: cache it, sample its first token, and join
         the running batch."""
         prefix = layer_kv(seq.cache)
         self._cache_insert(seq.feed, prefix, seq.adapter)
         if seq.request.max_new_tokens == 0:  # prompt log-probs only (the teacher path)
-            update = self._first_update(seq)
+            update = seq.first_update()
             self._finish(seq, GenerationUpdate(**update, finish=length_reason(0)))
             return
         logits = last_logits.unsqueeze(0)
@@ -680,16 +479,6 @@ class Scheduler:
         generators = [seq.generator or self._default_generator for seq in seqs]
         return sample_next_tokens(logits, [seq.request.sampling for seq in seqs], generators)
 
-    def _first_update(self, seq: Sequence) -> dict:
-        """Fields only the first update of a request carries."""
-        if seq.input_sent:
-            return {}
-        seq.input_sent = True
-        fields: dict[str, Any] = {"cached_tokens": seq.cached_tokens}
-        if seq.request.return_logprob and seq.request.logprob_start_len >= 0:
-            fields.update(input_logprobs=seq.input_logprobs, input_top=seq.input_top)
-        return fields
-
     def _emit_tokens(
         self,
         seqs: list[Sequence],
@@ -701,45 +490,20 @@ class Scheduler:
         `kv_of(row)` gives a finishing row's ids and KV for the prefix cache."""
         now = time.perf_counter()
         want = [i for i, seq in enumerate(seqs) if seq.request.return_logprob]
-        logps: dict[int, float] = {}
-        tops: dict[int, list] = {}
-        if want:
-            top_n = max(seqs[i].request.top_logprobs_num for i in want)
-            index = torch.tensor(want)
-            lp, top_vals, top_ids = token_logprobs(
-                logits.index_select(0, index), next_ids.index_select(0, index), top_n
-            )
-            for j, i in enumerate(want):
-                logps[i] = float(lp[j])
-                n = seqs[i].request.top_logprobs_num
-                if n > 0 and top_vals is not None and top_ids is not None:
-                    tops[i] = list(
-                        zip(top_vals[j, :n].tolist(), top_ids[j, :n].tolist(), strict=True)
-                    )
+        top_n = [seq.request.top_logprobs_num for seq in seqs]
+        logps, tops = sampled_logprobs(logits, next_ids, want, top_n)
         kept: list[int] = []
         ids = next_ids.tolist()
         self.metrics.generation_tokens.inc(len(ids))
         self._window_tokens += len(ids)
         for i, seq in enumerate(seqs):
-            token = ids[i]
-            seq.output_ids.append(token)
             if seq.last_token_at is None:
                 self.metrics.time_to_first_token.observe(now - seq.arrived)
             else:
                 self.metrics.inter_token_latency.observe(now - seq.last_token_at)
             seq.last_token_at = now
-            finish = token_finish(seq.request.stop, seq.output_ids)
-            new_text, finish = self._new_text(seq, token, finish)
-            update = GenerationUpdate(
-                new_ids=[token],
-                new_text=new_text,
-                new_logprobs=[logps[i]] if i in logps else [],
-                new_top=[tops[i]] if i in tops else [],
-                finish=finish,
-                weight_version=seq.weight_version,
-                **self._first_update(seq),
-            )
-            if finish is not None:
+            update = seq.append(ids[i], logps.get(i), tops.get(i))
+            if update.finish is not None:
                 self._cache_insert(*kv_of(i), seq.adapter)
                 self._finish(seq, update)
             else:
@@ -747,44 +511,9 @@ class Scheduler:
                 kept.append(i)
         return kept
 
-    def _new_text(
-        self, seq: Sequence, token: int, finish: FinishReason | None
-    ) -> tuple[str, FinishReason | None]:
-        """The text `token` adds, and the finish reason once a stop string shows up. A matched
-        stop token is not text (unless no_stop_trim); while stop strings may still match, their
-        possible beginnings are held back so streamed text never has to be taken back."""
-        req = seq.request
-        matched_token = finish is not None and isinstance(finish.get("matched"), int)
-        if not (matched_token and not req.no_stop_trim):
-            seq.detok.push([token])
-        if finish is not None:
-            seq.detok.flush()
-        text = seq.detok.text
-        end = len(text)
-        stops = req.stop.stop_strings
-        if stops and finish is None:
-            longest = max(len(s) for s in stops)
-            window = max(0, seq.stop_scanned - longest + 1)
-            found = find_stop_string(text[window:], stops)
-            seq.stop_scanned = len(text)
-            if found is not None:
-                matched, at = found
-                finish = {"type": "stop", "matched": matched}
-                if req.no_stop_trim:
-                    seq.detok.flush()
-                    text, end = seq.detok.text, len(seq.detok.text)
-                else:
-                    end = window + at
-            else:
-                end = len(text) - (longest - 1)
-        new = text[seq.text_sent : end] if end > seq.text_sent else ""
-        seq.text_sent = max(seq.text_sent, end)
-        return new, finish
-
     def _cache_insert(self, ids: list[int], kv: LayerKV, adapter: str | None) -> None:
         # Never under an adapter already unloaded (an aborted request's last chunks).
-        known = adapter is None or adapter in self._adapters
-        if self.prefix_cache is not None and ids and known:
+        if self.prefix_cache is not None and ids and self.lora.known(adapter):
             self.prefix_cache.insert(ids, kv, adapter)
 
     def _finish(self, seq: Sequence, update: GenerationUpdate) -> None:
@@ -846,7 +575,7 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.lora_resident.set(len(self._resident))
+        m.lora_resident.set(len(self.lora.resident))
         m.num_running_reqs.set(self.num_running)
         m.num_queue_reqs.set(len(self._waiting))
         used = self._kv_in_use()
@@ -861,13 +590,3 @@ class Scheduler:
         if elapsed >= THROUGHPUT_WINDOW_S:
             m.gen_throughput.set(self._window_tokens / elapsed)
             self._window_tokens, self._window_start = 0, now
-
-
-def tokens_left(seqs: list[Sequence]) -> dict[str | None, int]:
-    """Per adapter, the most tokens one of its sequences may still generate (how long it takes
-    to drain)."""
-    left: dict[str | None, int] = {}
-    for seq in seqs:
-        n = seq.request.max_new_tokens - len(seq.output_ids)
-        left[seq.adapter] = max(left.get(seq.adapter, 0), n)
-    return left
