@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast proto lint chart bench clean setup-sglang test-sglang
+.PHONY: setup run test test-fast proto lint chart bench clean setup-sglang test-sglang docs reference
 
 setup: $(STAMP)
 
@@ -48,6 +48,12 @@ lint: setup
 	$(HELM) lint --strict helm/clawrl
 
 HELM = $(shell $(PY) scripts/install-helm.py)
+
+docs: setup  ## the docs site (MkDocs + Material) from docs/ into site/; a broken link or anchor fails
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+reference: setup  ## regenerate docs/reference/ (settings, Helm values, metrics); a test fails when stale
+	$(PY) scripts/gen_reference.py
 
 chart: setup  ## the Helm chart: helm lint/template, Kubernetes and CRD schemas, dashboards' metrics, checkov
 	$(PY) scripts/install-checkov.py >/dev/null

