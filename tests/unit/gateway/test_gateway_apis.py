@@ -239,6 +239,13 @@ MESSAGE = [{"role": "user", "content": "x"}]
         ({"include": ["file_search_call.results"]}, "include", "not supported"),
         ({"temperature": 3}, "temperature", "between 0 and 2"),
         ({"input": 5}, "input", "must be"),
+        # A part type that is an array or object (a 500 before: unhashable in a set lookup).
+        (
+            {"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]},
+            "input[0].content[0]",
+            "must be a text part",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": {}}]}]}, "input[0].content[0]", "type"),
     ],
 )
 def test_responses_refusals(fields, param, says):
@@ -278,6 +285,13 @@ def test_responses_refusals(fields, param, says):
         ({"temperature": 1.5}, "temperature", "between 0 and 1"),
         ({"max_tokens": 0}, "max_tokens", "at least 1"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user' or"),
+        # A block type that is an array or object (a 500 before: unhashable in a set lookup).
+        (
+            {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]},
+            "messages[0].content[0]",
+            "must be a text block",
+        ),
+        ({"system": [{"type": {}}]}, "system[0]", "must be a text block"),
     ],
 )
 def test_messages_refusals(fields, param, says):

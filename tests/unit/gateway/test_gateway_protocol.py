@@ -107,6 +107,10 @@ def test_session_keys_from_headers_win_and_body_keys_are_stripped():
         ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0]", None),
         ({"messages": [USER], "tool_choice": "sometimes"}, "tool_choice", None),
         ({"messages": [USER], "turn_type": "bogus"}, "turn_type", "main"),
+        # Not a header value (the reply's X-Session-Id): a 500, or no answer, before.
+        ({"messages": [USER], "session_id": "\u0100"}, "session_id", "Latin-1"),
+        ({"messages": [USER], "session_id": "a\nb"}, "session_id", "X-Session-Id"),
+        ({"messages": [USER], "session_id": "\x00"}, "session_id", "printable"),
     ],
 )
 def test_bad_requests(body, param, match):

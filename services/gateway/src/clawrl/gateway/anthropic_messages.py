@@ -171,7 +171,7 @@ def block_text(block: Any, param: str) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind == "text" and isinstance(block.get("text"), str):
         return block["text"]
-    if kind in MEDIA_BLOCKS:
+    if isinstance(kind, str) and kind in MEDIA_BLOCKS:  # an array or object is not hashable
         raise InvalidRequest(
             f"{param}: {kind} blocks are not supported: the policy model reads text only",
             param=f"{param}.type",

@@ -368,11 +368,12 @@ def content_text(content: Any, param: str) -> str:
     for i, part in enumerate(content):
         at = f"{param}[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+        named = isinstance(kind, str)  # an array or object names no type (and is unhashable)
+        if named and kind in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
-        elif kind in MEDIA_PARTS:
+        elif named and kind in MEDIA_PARTS:
             raise InvalidRequest(
                 f"{at}: {kind} content is not supported: the policy model reads text only",
                 param=f"{at}.type",

@@ -5,6 +5,7 @@ no I/O."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -34,6 +35,8 @@ SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+# What an HTTP header value can carry: the session id goes back as X-Session-Id.
+HEADER_TEXT = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 
 Number = StrictInt | StrictFloat
 
@@ -461,6 +464,14 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str], user: Any = N
         session_id = str(session_id).strip() or None
     if session_id is not None and len(session_id) > 256:
         raise InvalidRequest("the session id is longer than 256 characters", param="session_id")
+    if session_id is not None and not HEADER_TEXT.fullmatch(session_id):
+        # Else the reply's X-Session-Id header could not be sent: a 500, or no answer at all,
+        # after the turn was recorded.
+        raise InvalidRequest(
+            "the session id must be printable Latin-1 text (it is sent back in the "
+            f"X-Session-Id header), got {session_id!r}",
+            param="session_id",
+        )
     turn_type = headers.get("x-turn-type") or body.get("turn_type")
     if turn_type is not None:
         turn_type = str(turn_type).strip().lower()
