@@ -125,6 +125,14 @@ payloads = st.one_of(
 )
 
 
+def send(url: str, payload: bytes, extra: dict[str, str], keep: str) -> httpx.Response:
+    """POST one fuzzed payload with its headers, never under the kept session's id."""
+    if extra.get("X-Session-Id", "").strip() == keep:
+        extra = {**extra, "X-Session-Id": "other"}
+    headers = {"Content-Type": "application/json", **extra}
+    return httpx.post(url, content=payload, headers=headers, timeout=TIMEOUT)
+
+
 def check_answer(reply: httpx.Response) -> None:
     assert reply.status_code < 500, reply.text
     if reply.status_code != 200:
@@ -154,15 +162,7 @@ def test_no_input_gives_a_5xx_a_hang_or_a_lost_turn(gateway):
     )
     @given(payload=payloads, extra=headers)
     def one_request(payload: bytes, extra: dict[str, str]) -> None:
-        if extra.get("X-Session-Id", "").strip() == keep:
-            extra = {**extra, "X-Session-Id": "other"}
-        reply = httpx.post(
-            f"{gateway.base_url}/chat/completions",
-            content=payload,
-            headers={"Content-Type": "application/json", **extra},
-            timeout=TIMEOUT,
-        )
-        check_answer(reply)
+        check_answer(send(f"{gateway.base_url}/chat/completions", payload, extra, keep))
 
     one_request()
     # The turn recorded before the barrage still gets its next state.
