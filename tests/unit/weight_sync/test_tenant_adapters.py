@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from clawrl.common.versions import VersionReady
-from clawrl.trainer.weight_sync.job import SyncResult, adapter_tenant, ours
+from clawrl.trainer.weight_sync.adapter_sync import adapter_tenant, ours
 from clawrl.trainer.weight_sync.launcher import run_args
+from clawrl.trainer.weight_sync.result import SyncResult
 
 
 def ready(adapter: str, version: int, tenant: str = "") -> VersionReady:

@@ -1,6 +1,7 @@
 """A sync's result survives the results stream (LoRA fields included) and says what it did."""
 
-from clawrl.trainer.weight_sync.job import POLICY_ADAPTER, SyncResult
+from clawrl.trainer.weight_sync.adapter_sync import POLICY_ADAPTER
+from clawrl.trainer.weight_sync.result import SyncResult
 
 
 def test_a_lora_result_round_trips_and_its_summary_says_no_pause():

@@ -25,20 +25,7 @@ Every engine serving N already is not enough to skip: a job that died after its 
 that failed or a gateway that joined leave gateways admitting another version. Those are
 resumed on N (no pause, no load: the engines serve N); only engines and gateways all on N skip.
 
-A LoRA version (the announcement names an adapter) pauses nothing: every engine loads adapter
-policy-vN beside the one it serves (at once, while serving); if any fails, those that loaded it
-unload it and no gateway switches (the old adapter keeps serving). Else the served version is
-recorded in Redis (`sync.served_key`, for gateways and engines that restart), every gateway
-switches to it (SwitchAdapter: requests admitted from then on use it), and old policy adapters
-are unloaded once no gateway has a request running on them (bounded by `sync.unload_wait_s`;
-SGLang's unload itself waits for the engine's own requests).
-
-A tenant's LoRA version (per-tenant mode: adapter `tenant-T-vN`, announced with `tenant` T) is
-the same, for that tenant alone: every engine loads it, its served adapter is recorded beside
-the shared one (`served.tenants_key`), every gateway switches only T's new requests to it
-(SwitchAdapter with `tenant`), and only T's older `tenant-T-v*` adapters are unloaded once no
-request uses them. The shared policy and every other tenant keep their adapters; a failed load
-is undone on the engines that loaded it, and nothing else changes.
+A LoRA version (the announcement names an adapter) pauses nothing: see adapter_sync.py.
 """
 
 from __future__ import annotations
@@ -46,20 +33,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, fields
-from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError, RedisError
 
 from clawrl.common.logs import log_context
-from clawrl.common.served import write_served, write_served_tenant
-from clawrl.common.tenants import parse_tenant_adapter
 from clawrl.common.versions import VersionReady
+from clawrl.trainer.weight_sync.adapter_sync import AdapterSync, adapter_tenant
 from clawrl.trainer.weight_sync.replicas import (
     Engine,
     EngineWeights,
@@ -67,102 +50,16 @@ from clawrl.trainer.weight_sync.replicas import (
     ReplicaError,
     engine_urls,
     gateway_addresses,
+    gather_errors,
+    record_served,
 )
+from clawrl.trainer.weight_sync.result import SyncResult
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Pushes `ready`'s weights into the engines at these URLs; raises when it cannot.
 Broadcast = Callable[[VersionReady, list[str]], Awaitable[None]]
-
-# Adapters a sync loaded (adapter_name): the only ones it unloads; others (tenants', the
-# engine's --lora-paths) are not its to remove.
-POLICY_ADAPTER = re.compile(r"policy-v\d+")
-
-# Exit codes of `clawrl-weight-sync run`, by outcome.
-EXIT_CODES = {"ok": 0, "skipped": 0, "failed": 1, "busy": 2, "inconsistent": 3}
-
-
-@dataclass
-class SyncResult:
-    """What one sync did; published on the results stream and logged in one line."""
-
-    version: int
-    outcome: str  # ok | skipped | failed | busy | inconsistent
-    reason: str = ""
-    pause_s: float = 0.0  # user-visible: first Pause sent -> last Resume answered
-    drain_s: float = 0.0  # of which waiting for in-flight generations
-    load_s: float = 0.0  # slowest engine's load (or the broadcast, and its disk fallback)
-    transport: str = "disk"  # how the engines got the weights: disk | nccl
-    broadcast_error: str = ""  # why a broadcast fell back to disk
-    retracted: int = 0  # generations that went on under the new weights (engines' count)
-    gateways: int = 0
-    engines: int = 0
-    renewal_failures: int = 0
-    job_id: str = ""
-    finished_at: float = 0.0
-    adapter: str = ""  # LoRA syncs: the adapter switched to (no pause; load_s is its load)
-    switch_s: float = 0.0  # LoRA syncs: first SwitchAdapter sent -> last answered
-    unloaded: int = 0  # LoRA syncs: old adapters unloaded (engine x adapter)
-    kept: int = 0  # LoRA syncs: old adapters left loaded (still in use, or unload failed)
-    tenant: str = ""  # a tenant's adapter sync (per-tenant mode): whose; "" for the shared policy
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES.get(self.outcome, 1)
-
-    def fields(self) -> dict[str, str]:
-        return {key: str(value) for key, value in asdict(self).items()}
-
-    @classmethod
-    def from_fields(cls, entry: dict[bytes | str, bytes | str]) -> SyncResult:
-        text = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in entry.items()
-        }
-        known = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for key, value in text.items():
-            kind = known.get(key)
-            if kind is not None:
-                values[key] = {"int": int, "float": float}.get(str(kind), str)(value)
-        return cls(**values)
-
-    def summary(self) -> str:
-        if self.adapter:
-            return (
-                f"weight sync to v{self.version} (adapter {self.adapter}"
-                + (f" of tenant {self.tenant}" if self.tenant else "")
-                + f"): {self.outcome}"
-                + (f" ({self.reason})" if self.reason else "")
-                + f"; no pause; load {self.load_s:.3f}s, switch {self.switch_s:.4f}s"
-                + f", {self.unloaded} old adapter(s) unloaded"
-                + (f", {self.kept} kept" if self.kept else "")
-                + f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
-            )
-        return (
-            f"weight sync to v{self.version}: {self.outcome}"
-            + (f" ({self.reason})" if self.reason else "")
-            + f"; pause {self.pause_s:.3f}s (drain {self.drain_s:.3f}s, load {self.load_s:.3f}s)"
-            + (f", {self.retracted} generation(s) retracted" if self.retracted else "")
-            + f" over {self.gateways} gateway(s) and {self.engines} engine(s)"
-            + (" by broadcast" if self.transport == "nccl" else "")
-        )
-
-
-def adapter_tenant(ready: VersionReady) -> str:
-    """Whose adapter `ready` is: its `tenant`, else the tenant its name `tenant-T-vN` names, else
-    "" (the shared policy's). ValueError when the two disagree, or a tenant's adapter is not
-    named `tenant-T-vN` of its version: the name is what the gateways route by."""
-    parsed = parse_tenant_adapter(ready.adapter)
-    tenant = ready.tenant or (parsed[0] if parsed else "")
-    if tenant and parsed != (tenant, ready.version):
-        raise ValueError(
-            f"tenant {tenant}'s version {ready.version} must be the adapter "
-            f"tenant-{tenant}-v{ready.version}, not {ready.adapter!r}"
-        )
-    return tenant
 
 
 async def rollback_path(redis: Redis, stream: str, served: EngineWeights) -> str:
@@ -176,27 +73,8 @@ async def rollback_path(redis: Redis, stream: str, served: EngineWeights) -> str
     return served.path
 
 
-async def gather_answers(calls: list[Awaitable[T]]) -> tuple[list[T], list[str]]:
-    """Run the calls at once; the answers of those that succeeded and the messages of those
-    that raised ReplicaError."""
-    answers, errors = [], []
-    for result in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(result, ReplicaError):
-            errors.append(str(result))
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            answers.append(result)
-    return answers, errors
-
-
-async def gather_errors(calls: list[Awaitable[object]]) -> list[str]:
-    """Run the calls at once; the messages of those that raised ReplicaError."""
-    return (await gather_answers(calls))[1]
-
-
 class WeightSync:
-    """The steps of one sync over already-connected replicas."""
+    """The steps of one sync over already-connected replicas (an adapter's: `AdapterSync`)."""
 
     def __init__(
         self,
@@ -219,7 +97,8 @@ class WeightSync:
         """Fills `result` (outcome, reason, durations) as it goes."""
         if ready.is_adapter:
             result.adapter = ready.adapter
-            await self._run_adapter(ready, result, result.tenant)
+            sync = AdapterSync(self.settings, self.redis, self.gateways, self.engines)
+            await sync.run(ready, result, result.tenant)
             return
         served = await asyncio.gather(*(engine.weights() for engine in self.engines))
         if all(weights.version == str(ready.version) for weights in served):
@@ -279,60 +158,7 @@ class WeightSync:
                     result.outcome, result.reason = "failed", "; ".join(errors)
             if result.outcome == "ok":
                 # Full weights now: a gateway that starts must not route to an old adapter.
-                await self._record_served(ready.version, "", ready.path)
-
-    async def _run_adapter(self, ready: VersionReady, result: SyncResult, tenant: str) -> None:
-        """Load the adapter everywhere, switch every gateway, unload the old adapters (with
-        `tenant`: for that tenant alone)."""
-        held, errors = await gather_answers([engine.adapters() for engine in self.engines])
-        if errors:
-            result.outcome, result.reason = "failed", "; ".join(errors)
-            return
-        # An engine holding the name already (a retried sync, or one the launcher reloaded)
-        # keeps it: SGLang refuses to load a name twice.
-        missing = [
-            e for e, names in zip(self.engines, held, strict=True) if ready.adapter not in names
-        ]
-        if not missing and await self._all_switched(ready, tenant):
-            result.outcome = "skipped"
-            result.reason = f"every engine holds {ready.adapter} and every gateway serves it"
-            return
-        started = time.monotonic()
-        outcomes = await asyncio.gather(
-            *(engine.load_adapter(ready.adapter, ready.path) for engine in missing),
-            return_exceptions=True,
-        )
-        result.load_s = time.monotonic() - started
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException) and not isinstance(outcome, ReplicaError):
-                raise outcome
-        failed = [str(o) for o in outcomes if isinstance(o, ReplicaError)]
-        if failed:
-            loaded = [e for e, o in zip(missing, outcomes, strict=True) if o is None]
-            # Nobody routes to it: unloading it keeps the engines as they were.
-            undo = await gather_errors([e.unload_adapter(ready.adapter) for e in loaded])
-            for error in undo:
-                log.warning("after the failed load: %s", error)
-            result.outcome = "failed"
-            result.reason = "; ".join(failed) + (
-                f"; unloaded it from {len(loaded) - len(undo)} engine(s) that had loaded it"
-                if loaded
-                else ""
-            )
-            return
-        await self._record_served(ready.version, ready.adapter, ready.path, tenant)
-        started = time.monotonic()
-        _, errors = await gather_answers(
-            [g.switch_adapter(ready.version, ready.adapter, tenant) for g in self.gateways]
-        )
-        result.switch_s = time.monotonic() - started
-        if errors:
-            # Those that switched serve the new adapter, the others the old one: both loaded,
-            # and each turn records its own. The retry switches the rest.
-            result.outcome, result.reason = "failed", "; ".join(errors)
-            return
-        result.outcome = "ok"
-        await self._unload_old(ready.adapter, result, tenant)
+                await self._record_served(ready.version, ready.path)
 
     async def _converge_gateways(self, ready: VersionReady, result: SyncResult) -> None:
         """Every engine serves `ready` already: resume each gateway that does not admit it
@@ -361,74 +187,11 @@ class WeightSync:
                 f"every engine served v{ready.version} already: resumed {len(behind)} "
                 "gateway(s) on it"
             )
-        await self._record_served(ready.version, "", ready.path)
+        await self._record_served(ready.version, ready.path)
 
-    async def _all_switched(self, ready: VersionReady, tenant: str) -> bool:
-        """Whether every gateway already routes to `ready`'s adapter (`tenant`'s requests, with
-        a tenant); False when one does not answer: the switch then tells."""
-        statuses, errors = await gather_answers([g.status() for g in self.gateways])
-        if tenant:
-            return not errors and all(
-                s.tenant_adapters.get(tenant) == ready.adapter for s in statuses
-            )
-        return not errors and all(
-            (s.policy_version, s.adapter) == (ready.version, ready.adapter) for s in statuses
-        )
-
-    async def _unload_old(self, keep: str, result: SyncResult, tenant: str) -> None:
-        """Unload every policy adapter (with `tenant`: every adapter of that tenant) but `keep`
-        from every engine once no gateway has a request running on it (or routes to it); ones
-        still busy after the wait stay."""
-        held, errors = await gather_answers([engine.adapters() for engine in self.engines])
-        if errors:
-            log.warning("old adapters not unloaded: %s", "; ".join(errors))
-            return
-        old = {
-            (engine, name)
-            for engine, names in zip(self.engines, held, strict=True)
-            for name in names
-            if name != keep and ours(name, tenant)
-        }
-        deadline = time.monotonic() + self.settings.sync.unload_wait_s
-        while old:
-            statuses, errors = await gather_answers([g.status() for g in self.gateways])
-            if errors:  # a gateway we cannot see may still route to one of them
-                log.warning("old adapters not unloaded: %s", "; ".join(errors))
-                break
-            busy = {s.adapter for s in statuses} | {
-                name for s in statuses for name, count in s.in_flight_by_adapter.items() if count
-            }
-            busy |= {name for s in statuses for name in s.tenant_adapters.values()}
-            idle = {(engine, name) for engine, name in old if name not in busy}
-            errors = await gather_errors([engine.unload_adapter(name) for engine, name in idle])
-            for error in errors:
-                log.warning("%s", error)
-            result.unloaded += len(idle) - len(errors)
-            result.kept += len(errors)
-            old -= idle
-            if not old or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        if old:
-            result.kept += len(old)
-            log.warning(
-                "adapters still in use after %.0fs, left loaded: %s",
-                self.settings.sync.unload_wait_s,
-                ", ".join(sorted(f"{name} on {engine.url}" for engine, name in old)),
-            )
-
-    async def _record_served(self, version: int, adapter: str, path: str, tenant: str = "") -> None:
-        """What the gateways route to from now on (`tenant`'s requests, with a tenant), for
-        gateways and engines that (re)start."""
-        key = self.settings.sync.served_key
-        try:
-            if tenant:
-                await write_served_tenant(self.redis, key, tenant, version, adapter, path)
-            else:
-                await write_served(self.redis, key, version, adapter, path)
-        except RedisError as exc:  # serving goes on; only a restart would miss it
-            log.error("cannot record the served version at %s: %s",
-                      self.settings.sync.served_key, exc)  # fmt: skip
+    async def _record_served(self, version: int, path: str) -> None:
+        """Full weights of `version` from now on (no adapter), for replicas that (re)start."""
+        await record_served(self.redis, self.settings.sync.served_key, version, "", path)
 
     async def _continue_engines(self, result: SyncResult) -> None:
         """/continue_generation on every engine, whatever happened before: one left paused
@@ -513,16 +276,6 @@ class WeightSync:
             for error in errors:
                 self.renewal_failures += 1
                 log.warning("lease renewal failed: %s", error)
-
-
-def ours(name: str, tenant: str) -> bool:
-    """Whether a sync of `tenant` ("" = the shared policy) unloads the adapter `name` once it is
-    old: the shared policy's `policy-vN`, or that tenant's `tenant-T-vN`; never another
-    tenant's, nor one the engine was started with."""
-    if tenant:
-        parsed = parse_tenant_adapter(name)
-        return parsed is not None and parsed[0] == tenant
-    return POLICY_ADAPTER.fullmatch(name) is not None
 
 
 class LockLost(Exception):

@@ -7,15 +7,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from clawrl.common.proto import control_pb2, control_pb2_grpc
+from clawrl.common.served import write_served, write_served_tenant
 from clawrl.common.sglang_client import EngineError, SGLangClient
 from clawrl.trainer.weight_sync.settings import EngineTargets, GatewayTargets
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def resolve(name: str, port: int) -> list[str]:
@@ -201,3 +207,36 @@ async def continue_every_engine(targets: EngineTargets) -> list[str]:
         if isinstance(result, BaseException) and not isinstance(result, ReplicaError):
             raise result
     return [str(r) for r in results if isinstance(r, ReplicaError)]
+
+
+async def gather_answers(calls: list[Awaitable[T]]) -> tuple[list[T], list[str]]:
+    """Run the calls at once; the answers of those that succeeded and the messages of those
+    that raised ReplicaError."""
+    answers, errors = [], []
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(result, ReplicaError):
+            errors.append(str(result))
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            answers.append(result)
+    return answers, errors
+
+
+async def gather_errors(calls: list[Awaitable[object]]) -> list[str]:
+    """Run the calls at once; the messages of those that raised ReplicaError."""
+    return (await gather_answers(calls))[1]
+
+
+async def record_served(
+    redis: Redis, key: str, version: int, adapter: str, path: str, tenant: str = ""
+) -> None:
+    """What the gateways route to from now on (`tenant`'s requests, with a tenant), recorded at
+    `key` for gateways and engines that (re)start."""
+    try:
+        if tenant:
+            await write_served_tenant(redis, key, tenant, version, adapter, path)
+        else:
+            await write_served(redis, key, version, adapter, path)
+    except RedisError as exc:  # serving goes on; only a restart would miss it
+        log.error("cannot record the served version at %s: %s", key, exc)
