@@ -211,6 +211,24 @@ async def test_first_neutral_turn_of_a_session_without_signal_is_promoted(
     }
 
 
+async def test_two_callers_sharing_a_session_id_are_promoted_apart(redis: Redis, url) -> None:
+    """Sessions are scoped per caller: two API keys that both send `X-Session-Id: main` hold two
+    session states (two epochs in their turn ids). One caller's turn must not use up the other's
+    promotion, as it did when the judge keyed it on the shared client session id."""
+    settings = judge_settings(url, judging={"reward_fn": ARITHMETIC})
+    turns = []
+    for epoch in ("e1", "e2"):
+        turn = make_turn(
+            "main", 0, response="no number", next_state=[{"role": "user", "content": "5"}]
+        )
+        turn.turn_id = f"main:{epoch}:0"
+        turns.append(turn)
+    await put_turns(redis, settings, turns)
+    async with running(settings, serve=False):
+        found = await wait_samples(redis, settings, 2)
+    assert sorted(s.sample_id for s in found if s.promoted) == ["main:e1:0", "main:e2:0"]
+
+
 async def test_promotion_can_be_switched_off(redis: Redis, url) -> None:
     settings = judge_settings(
         url, judging={"reward_fn": ARITHMETIC, "promote_first_in_session": False}

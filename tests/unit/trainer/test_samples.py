@@ -91,6 +91,14 @@ def test_collate_pads_and_aligns() -> None:
     assert collate([a]).teacher_topk_ids is None
 
 
+def test_a_group_is_one_session_state_not_a_shared_session_id() -> None:
+    """GRPO groups the turns of one session state (`{session_id}:{epoch}` in the turn id):
+    two callers that both send `X-Session-Id: main` hold two states and two groups."""
+    turns = ["main:e1:0", "main:e1:1", "main:e2:0", "other:e3:0"]
+    batch = collate([sample(sample_id=t, session_id=t.split(":")[0]) for t in turns])
+    assert batch.group_index.tolist() == [0, 0, 1, 2]
+
+
 @pytest.mark.parametrize(
     ("estimator", "mode"),
     [

@@ -27,6 +27,14 @@ def turn_id(session_id: str, epoch: str, turn_index: int) -> str:
     return f"{session_id}:{epoch}:{turn_index}"
 
 
+def session_state_of(turn_id: str) -> str:
+    """The session state a turn (or its sample) belongs to, `{session_id}:{epoch}`: what
+    per-session bookkeeping keys on. Not the client's session id, which callers may share
+    (sessions are scoped per caller: two API keys that both send `X-Session-Id: main` hold two
+    states, with two epochs)."""
+    return turn_id.rsplit(":", 1)[0]
+
+
 def record_id(record: Message) -> str:
     if isinstance(record, Turn):
         return record.turn_id

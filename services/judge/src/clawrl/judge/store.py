@@ -21,7 +21,7 @@ import orjson
 from redis.asyncio import Redis
 
 from clawrl.common.feedback import feedback_key, judged_marker
-from clawrl.common.records import encode_entry
+from clawrl.common.records import encode_entry, session_state_of
 from clawrl.common.redis_client import run_script
 from clawrl.common.redis_text import text
 from clawrl.judge.core import Judgement, promote
@@ -118,8 +118,9 @@ class JudgeStore:
             return None
         return await read_feedback(self.redis, self.config.feedback_prefix, turn_id)
 
-    def session_key(self, session_id: str) -> str:
-        return f"{self.config.prefix}:session:{session_id}"
+    def session_key(self, session_state: str) -> str:
+        """The promotion state of one session state (`session_state_of`: per caller)."""
+        return f"{self.config.prefix}:session:{session_state}"
 
     async def judged(self, turn_ids: list[str]) -> list[bool]:
         """For each turn id, whether its sample is already written (one MGET)."""
@@ -135,7 +136,7 @@ class JudgeStore:
         promoted = promote(sample).SerializeToString() if judgement.promotable else b""
         keys = [
             self.done_key(sample.sample_id),
-            self.session_key(sample.session_id),
+            self.session_key(session_state_of(sample.sample_id)),
             c.samples_stream,
             c.audit_stream,
             c.turns_stream,

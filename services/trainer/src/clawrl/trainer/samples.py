@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from clawrl.common.proto.records_pb2 import SampleMode
-from clawrl.common.records import Sample
+from clawrl.common.records import Sample, session_state_of
 from clawrl.trainer.backend import TrainBatch
 
 
@@ -141,7 +141,7 @@ def collate(samples: Sequence[Sample]) -> TrainBatch:
         teacher_topk_ids=topk_ids,
         teacher_topk_logp=topk_logp,
         has_topk=has_topk,
-        group_index=torch.tensor(_group_index([s.session_id for s in samples])),
+        group_index=torch.tensor(_group_index([session_state_of(s.sample_id) for s in samples])),
         **per_token,
     )
 
