@@ -370,10 +370,10 @@ def stage_costs(redis_url: str, stack: Stack | None = None) -> None:
 
     from clawrl.common.chat import ChatRenderer
     from clawrl.common.settings import ModelSettings
+    from clawrl.gateway.generation import Generation, assistant_message
     from clawrl.gateway.metrics import GatewayMetrics
     from clawrl.gateway.protocol import parse_chat_request
     from clawrl.gateway.recording import Recorder, ServedTurn
-    from clawrl.gateway.serving import Generation, assistant_message
     from clawrl.gateway.sessions import SessionStore
 
     renderer = ChatRenderer.from_settings(ModelSettings(path=MODEL))

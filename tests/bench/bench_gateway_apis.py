@@ -128,22 +128,13 @@ def api_costs(iterations: int) -> None:
         message_object,
         parse_messages_request,
     )
+    from clawrl.gateway.chat_completions import ChatChunks, chat_completion
     from clawrl.gateway.control import Admission
-    from clawrl.gateway.openai_responses import (
-        ResponseEvents,
-        continued,
-        parse_responses_request,
-        response_body,
-    )
+    from clawrl.gateway.generation import Completion, Generation, assistant_message
+    from clawrl.gateway.openai_responses import continued, parse_responses_request
+    from clawrl.gateway.openai_responses_output import ResponseEvents, response_body
     from clawrl.gateway.protocol import parse_chat_request
-    from clawrl.gateway.serving import (
-        ChatChunks,
-        Completion,
-        Generation,
-        StreamState,
-        assistant_message,
-        chat_completion,
-    )
+    from clawrl.gateway.serving import StreamState
     from clawrl.gateway.tool_calls import Delta
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from clawrl.common.sglang_client import SGLangClient, sampling_params
-from clawrl.gateway.serving import Generation
+from clawrl.gateway.generation import Generation
 from clawrl.judge.teacher import teacher_from_meta, teacher_request
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]

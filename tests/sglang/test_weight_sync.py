@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clawrl.common.sglang_client import SGLangClient, sampling_params
-from clawrl.gateway.serving import Generation
+from clawrl.gateway.generation import Generation
 from clawrl.trainer.weight_sync.replicas import Engine, ReplicaError
 from clawrl.trainer.weight_sync.settings import EngineTargets
 

@@ -17,13 +17,8 @@ from openai.types.responses import Response
 
 from clawrl.gateway.anthropic_messages import MessageEvents, message_object, parse_messages_request
 from clawrl.gateway.errors import InvalidRequest, Overloaded, Unauthorized, to_anthropic
-from clawrl.gateway.openai_responses import (
-    ResponseEvents,
-    continued,
-    parse_responses_request,
-    response_body,
-    stored_messages,
-)
+from clawrl.gateway.openai_responses import continued, parse_responses_request, stored_messages
+from clawrl.gateway.openai_responses_output import ResponseEvents, response_body
 from clawrl.gateway.protocol import parse_chat_request
 from clawrl.gateway.serving import ChatService
 from clawrl.gateway.sessions import history_hashes

@@ -3,7 +3,7 @@
 import pytest
 
 from clawrl.gateway.errors import EngineBadReply
-from clawrl.gateway.serving import Generation
+from clawrl.gateway.generation import Generation
 
 
 def event(text, ids, n=None, finish=None):

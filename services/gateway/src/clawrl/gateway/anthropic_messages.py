@@ -15,6 +15,7 @@ import orjson
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from clawrl.gateway.errors import InvalidRequest, to_anthropic
+from clawrl.gateway.generation import Completion
 from clawrl.gateway.protocol import (
     ChatRequest,
     Number,
@@ -28,7 +29,7 @@ from clawrl.gateway.protocol import (
     session_meta,
     stop_sequences,
 )
-from clawrl.gateway.serving import ChatService, Completion, StreamState
+from clawrl.gateway.serving import ChatService, StreamState
 from clawrl.gateway.tool_calls import Delta, ToolCall
 
 NOT_FAITHFUL = "the gateway serves the policy's own samples, and {what} would change them"

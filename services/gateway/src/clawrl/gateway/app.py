@@ -46,13 +46,12 @@ from clawrl.gateway.errors import (
 from clawrl.gateway.feedback import FeedbackService
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.openai_responses import (
-    ResponseEvents,
     ResponsesRequest,
     continued,
     parse_responses_request,
-    response_body,
     stored_messages,
 )
+from clawrl.gateway.openai_responses_output import ResponseEvents, response_body
 from clawrl.gateway.protocol import ChatRequest, api_credential, parse_chat_request
 from clawrl.gateway.recording import Recorder
 from clawrl.gateway.serving import ChatService, OpenStream

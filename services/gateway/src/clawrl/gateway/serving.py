@@ -1,6 +1,8 @@
 """The serving core: one chat completion from validated request to OpenAI response, streamed or
 not. Renders the prompt once with the policy's tokenizer, generates from `input_ids` with
-log-probs, reads tool calls, and hands main turns to the recorder.
+log-probs, reads tool calls, and hands main turns to the recorder. What the engine sampled is
+generation.py's; each API's response format is its own module (chat_completions.py,
+openai_responses_output.py, anthropic_messages.py), streamed through a `StreamEncoder`.
 
 Ordering that matters: a main turn is stored in Redis *before* the client sees the end of the
 response (the body, or `data: [DONE]`), so the client's next request always finds it pending.
@@ -15,22 +17,21 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
-
-import orjson
 
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.logs import log_context
 from clawrl.common.sglang_client import SGLangClient, sampling_params
+from clawrl.gateway.chat_completions import ChatChunks, chat_completion
 from clawrl.gateway.control import Admission, PauseGate
 from clawrl.gateway.errors import (
     ContextLengthExceeded,
     EngineBadReply,
     InvalidRequest,
     engine_error_kind,
-    to_http,
 )
+from clawrl.gateway.generation import Completion, Generation, assistant_message, finish_reason
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
 from clawrl.gateway.recording import (
@@ -44,8 +45,6 @@ from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, 
 
 log = logging.getLogger(__name__)
 
-DONE = b"data: [DONE]\n\n"
-
 
 @dataclass(frozen=True)
 class OpenStream:
@@ -56,99 +55,6 @@ class OpenStream:
 
     lines: AsyncIterator[bytes]
     release: Callable[[], Awaitable[None]]
-
-
-@dataclass
-class Generation:
-    """What the engine sampled: kept whole, because it is what gets trained on."""
-
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_texts: list[str | None] = field(default_factory=list)
-    top_logprobs: list[list] = field(default_factory=list)  # [[logprob, id, text], ...] per token
-    finish: str | None = None  # "stop" | "length" once finished
-    prompt_tokens: int = 0
-    weight_version: str = ""  # the engine's, for the weights that sampled these tokens
-    first_weight_version: str = ""  # the engine's on the first reply
-    streamed: bool = False  # then first_weight_version is of the first tokens
-    matched_stop: str | None = None  # the stop string that ended it (Anthropic reports it)
-
-    def update(self, reply: dict[str, Any]) -> str:
-        """Take one /generate reply or stream event; returns the text it adds. Handles both
-        SGLang stream modes: cumulative events (the default) and incremental ones."""
-        meta = reply.get("meta_info") or {}
-        ids = reply.get("output_ids")
-        entries = meta.get("output_token_logprobs")
-        if ids is None or entries is None:
-            raise EngineBadReply("the engine's reply has no output_ids or output_token_logprobs")
-        completion_tokens = meta.get("completion_tokens")
-        cumulative = completion_tokens is None or len(ids) == completion_tokens
-        logprobs = [entry[0] for entry in entries]
-        texts = [entry[2] if len(entry) > 2 else None for entry in entries]
-        tops = meta.get("output_top_logprobs") or []
-        text = reply.get("text") or ""
-        if cumulative:
-            added = text[len(self.text) :] if text.startswith(self.text) else ""
-            self.ids, self.logprobs, self.token_texts, self.text = ids, logprobs, texts, text
-            self.top_logprobs = list(tops)
-        else:
-            added = text
-            self.ids += ids  # in place: copying per event made a long stream quadratic
-            self.logprobs += logprobs
-            self.token_texts += texts
-            self.top_logprobs += tops
-            self.text += text
-        if len(self.logprobs) != len(self.ids):
-            raise EngineBadReply(
-                f"the engine returned {len(self.ids)} output ids but {len(self.logprobs)} log-probs"
-            )
-        self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
-        if meta.get("weight_version") is not None:
-            self.weight_version = str(meta["weight_version"])
-            self.first_weight_version = self.first_weight_version or self.weight_version
-        finish = meta.get("finish_reason")
-        if finish:
-            kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-            if kind not in ("stop", "length"):
-                raise EngineBadReply(f"the engine ended the generation with {kind!r}")
-            self.finish = kind
-            matched = finish.get("matched") if isinstance(finish, dict) else None
-            self.matched_stop = matched if isinstance(matched, str) else None
-        return added
-
-
-def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
-    """The assistant message of a response, streamed or not (anonymous matching hashes it, so
-    both paths must build it the same way): with tool calls, the text around them, stripped,
-    or None."""
-    if not calls:
-        return {"role": "assistant", "content": content or ""}
-    return {
-        "role": "assistant",
-        "content": (content or "").strip() or None,
-        "tool_calls": [call.to_openai() for call in calls],
-    }
-
-
-def _token_logprob(token: str | None, logprob: float) -> dict[str, Any]:
-    token = token or ""
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-
-def openai_logprobs(generation: Generation, start: int = 0) -> dict[str, Any]:
-    """OpenAI `logprobs` of the sampled tokens from `start` on, with the engine's top
-    alternatives when they were asked for (`top_logprobs`)."""
-    content = []
-    tops = generation.top_logprobs
-    for i in range(start, len(generation.ids)):
-        entry = _token_logprob(generation.token_texts[i], generation.logprobs[i])
-        alternatives = tops[i] if i < len(tops) and tops[i] else []
-        entry["top_logprobs"] = [
-            _token_logprob(top[2] if len(top) > 2 else None, top[0]) for top in alternatives
-        ]
-        content.append(entry)
-    return {"content": content}
 
 
 class ChatService:
@@ -267,6 +173,29 @@ class ChatService:
         self.metrics.prompt_length.observe(prompt_tokens)
         self.metrics.completion_tokens.inc(completion_tokens)
 
+    def _completion(
+        self,
+        request_id: str,
+        generation: Generation,
+        content: str | None,
+        calls: list[ToolCall],
+        prompt_ids: list[int],
+        admitted: Admission,
+    ) -> Completion:
+        """A finished generation as every API formats it, its tokens counted."""
+        done = Completion(
+            request_id=request_id,
+            generation=generation,
+            content=content,
+            calls=calls,
+            message=assistant_message(content, calls),
+            finish=finish_reason(generation, calls),
+            prompt_tokens=len(prompt_ids),
+            policy_version=turn_versions(generation.weight_version, admitted)[0],
+        )
+        self._count_tokens(len(prompt_ids), len(generation.ids))
+        return done
+
     def _engine_failed(self, exc: BaseException) -> None:
         kind = engine_error_kind(exc)
         if kind is not None:
@@ -374,17 +303,7 @@ class ChatService:
             if request.parse_tool_calls
             else (generation.text, [])
         )
-        done = Completion(
-            request_id=request_id,
-            generation=generation,
-            content=content,
-            calls=calls,
-            message=assistant_message(content, calls),
-            finish=finish_reason(generation, calls),
-            prompt_tokens=len(prompt_ids),
-            policy_version=turn_versions(generation.weight_version, admitted)[0],
-        )
-        self._count_tokens(len(prompt_ids), len(generation.ids))
+        done = self._completion(request_id, generation, content, calls, prompt_ids, admitted)
         done.headers = await self._record(
             request, request_id, turn, prompt_ids, generation, done.message, done.finish, admitted
         )
@@ -495,20 +414,21 @@ class ChatService:
         except Exception as exc:
             yield await self._stream_failed(stream, exc, encoder)
             return
+        done = await self._finish_stream(stream, "".join(content), calls)
+        for piece in encoder.closing(done):
+            yield piece
+
+    async def _finish_stream(
+        self, stream: StreamState, text: str, calls: list[ToolCall]
+    ) -> Completion:
+        """The completion of a stream that ran to its end, recorded and handed to its
+        `on_complete`; the encoder's closing events go out after this."""
+        request, generation = stream.request, stream.generation
         if generation.finish is None:
             generation.finish = "stop"
-        text = "".join(content)
-        done = Completion(
-            request_id=stream.request_id,
-            generation=generation,
-            content=text,
-            calls=calls,
-            message=assistant_message(text, calls),
-            finish=finish_reason(generation, calls),
-            prompt_tokens=len(stream.prompt_ids),
-            policy_version=turn_versions(generation.weight_version, stream.admitted)[0],
+        done = self._completion(
+            stream.request_id, generation, text, calls, stream.prompt_ids, stream.admitted
         )
-        self._count_tokens(len(stream.prompt_ids), len(generation.ids))
         # Stored before the last events leave: a client that sends its next request (or hangs
         # up) on the finish, before the stream's end, must find the turn pending.
         if stream.turn is not None or request.session.session_done:
@@ -525,8 +445,7 @@ class ChatService:
                 )
         if stream.on_complete is not None:
             await stream.on_complete(done)
-        for piece in encoder.closing(done):
-            yield piece
+        return done
 
     async def _stream_failed(
         self, stream: StreamState, exc: Exception, encoder: StreamEncoder
@@ -535,26 +454,6 @@ class ChatService:
         self._engine_failed(exc)
         await self._abandon(stream.request, stream.request_id, stream.turn)
         return encoder.failure(exc)
-
-
-@dataclass
-class Completion:
-    """A finished generation as every API formats it (recorded, when a main turn, before any
-    of it is formatted)."""
-
-    request_id: str  # also the response id the client gets
-    generation: Generation
-    content: str | None  # the text around the tool calls (None: only calls)
-    calls: list[ToolCall]
-    message: dict[str, Any]  # the assistant message, chat-completions shaped, as recorded
-    finish: str  # chat-completions finish reason: stop | length | tool_calls
-    prompt_tokens: int
-    policy_version: int
-    headers: dict[str, str] = field(default_factory=dict)  # X-Session-Id, X-Turn-Id
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.generation.ids)
 
 
 @dataclass
@@ -587,91 +486,6 @@ class StreamEncoder(Protocol):
 EncoderFactory = Callable[[StreamState, "ChatService"], StreamEncoder]
 
 
-# --- the chat-completions format ----------------------------------------------------------
-
-
-def chat_completion(done: Completion, model_name: str, logprobs: bool) -> dict[str, Any]:
-    """The chat.completion body of a finished generation."""
-    return {
-        "id": done.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model_name,
-        "system_fingerprint": f"clawrl-policy-v{done.policy_version}",
-        "choices": [
-            {
-                "index": 0,
-                "message": done.message,
-                "logprobs": openai_logprobs(done.generation) if logprobs else None,
-                "finish_reason": done.finish,
-            }
-        ],
-        "usage": chat_usage(done),
-    }
-
-
-def chat_usage(done: Completion) -> dict[str, int]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    }
-
-
-class ChatChunks:
-    """chat.completion.chunk events, then `data: [DONE]`."""
-
-    def __init__(self, stream: StreamState, service: ChatService):
-        self.stream = stream
-        self.retry_after_s = service.retry_after_s
-        self.logprobs = stream.request.logprobs
-        self.include_usage = stream.request.include_usage
-        self.base = {
-            "id": stream.request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": service.model_name,
-        }
-        self.usage_key = {"usage": None} if self.include_usage else {}
-        self.sent_tokens = 0
-        self.calls = 0
-
-    def head(self) -> dict[str, Any]:
-        # The weights of the latest event: a sync mid-stream shows from the next chunk on.
-        version, _ = turn_versions(self.stream.generation.weight_version, self.stream.admitted)
-        return {**self.base, "system_fingerprint": f"clawrl-policy-v{version}"}
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        body = {**self.head(), "choices": [choice], **self.usage_key}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def opening(self) -> list[bytes]:
-        return [self.chunk({"role": "assistant", "content": ""})]
-
-    def piece(self, delta: Delta) -> list[bytes]:
-        logprobs = None
-        if self.logprobs:
-            logprobs = openai_logprobs(self.stream.generation, self.sent_tokens)
-            self.sent_tokens = len(self.stream.generation.ids)
-        if delta.tool_call is not None:
-            call = delta.tool_call.to_openai(index=self.calls)
-            self.calls += 1
-            return [self.chunk({"tool_calls": [call]}, logprobs=logprobs)]
-        return [self.chunk({"content": delta.content}, logprobs=logprobs)]
-
-    def closing(self, done: Completion) -> list[bytes]:
-        out = [self.chunk({}, done.finish)]
-        if self.include_usage:
-            body = {**self.head(), "choices": [], "usage": chat_usage(done)}
-            out.append(b"data: " + orjson.dumps(body) + b"\n\n")
-        out.append(DONE)
-        return out
-
-    def failure(self, exc: Exception) -> bytes:
-        return b"data: " + orjson.dumps(to_http(exc, self.retry_after_s).body) + b"\n\n"
-
-
 def routed(payload: dict[str, Any], admitted: Admission) -> dict[str, Any]:
     """The engine request for an admitted generation: with its LoRA adapter, if any."""
     return {**payload, "lora_path": admitted.adapter} if admitted.adapter else payload
@@ -684,8 +498,3 @@ def new_request_id(api: str = "chat") -> str:
     """The response id, in the API's own form; it also keys the session scripts' writes of
     this request."""
     return ID_PREFIXES[api] + secrets.token_hex(12)
-
-
-def finish_reason(generation: Generation, calls: list[ToolCall]) -> str:
-    """OpenAI finish reason of a finished generation."""
-    return "tool_calls" if calls else (generation.finish or "stop")
