@@ -50,9 +50,11 @@ def test_grpo_broadcasts_the_reward_to_trained_tokens() -> None:
 
 
 def test_grpo_group_normalisation() -> None:
-    # group 0: rewards 1, 0 -> mean 0.5, unbiased std sqrt(0.5); group 1 alone -> 0.
-    out = group_normalized(T([1.0, 0.0, 5.0]), T([0, 0, 1]))
-    assert out.tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.0], 1e-5)
+    # group 0: rewards 1, 0 -> mean 0.5, unbiased std sqrt(0.5); group 1 alone keeps its -1
+    # (a session's lone turn keeps its verdict); group 2, all alike, has no relative signal.
+    out = group_normalized(T([1.0, 0.0, -1.0, 1.0, 1.0]), T([0, 0, 1, 2, 2]))
+    half = 0.5 / math.sqrt(0.5)
+    assert out.tolist() == pytest.approx([half, -half, -1.0, 0.0, 0.0], 1e-5)
     cfg = AdvantageConfig(estimator="grpo", normalize_groups=True)
     adv = compute_advantages(inputs(group_index=T([7, 7])), cfg)
     assert adv[0, 0].item() == pytest.approx(1.5 / math.sqrt(4.5), 1e-5)  # rewards 2, -1
@@ -62,12 +64,14 @@ def test_grpo_group_normalisation() -> None:
 
 def test_grpo_by_batch_uses_the_batch_mean_as_baseline() -> None:
     """One sample per prompt (live traffic): each session is its own group, so normalising by
-    session gives every sample 0; by batch, the one right answer among wrong ones stands out."""
+    session leaves every reward as it is (groups of one keep theirs); by batch, the one right
+    answer among wrong ones stands out."""
     rewards = dict(reward=T([-1.0, -1.0, 1.0, -1.0]), old_logp=torch.zeros(4, 2),
                    teacher_logp=torch.zeros(4, 2), has_teacher=T([False] * 4),
                    mask=torch.ones(4, 2), group_index=T([0, 1, 2, 3]))  # fmt: skip
     by_session = AdvantageConfig(estimator="grpo", normalize_groups=True)
-    assert compute_advantages(AdvantageInputs(**rewards), by_session).abs().max() == 0
+    by_session_adv = compute_advantages(AdvantageInputs(**rewards), by_session)
+    assert by_session_adv[:, 0].tolist() == [-1.0, -1.0, 1.0, -1.0]
     by_batch = AdvantageConfig(estimator="grpo", normalize_groups=True, group_by="batch")
     adv = compute_advantages(AdvantageInputs(**{**rewards, "group_index": None}), by_batch)
     # Rewards -1, -1, 1, -1: mean -0.5, unbiased std 1.

@@ -92,8 +92,9 @@ class AdvantageConfig:
 
 def group_normalized(reward: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
     """reward, group_index: [B] -> [B]: (r - group mean) / (group std + eps). A group of one
-    sample gets 0 (its reward carries no relative signal)."""
-    out = torch.zeros_like(reward)
+    sample keeps its reward: live traffic rarely asks a session's prompt twice, and zeroing the
+    lone turn of a session would throw its verdict away (AReaL keeps it too)."""
+    out = reward.clone()
     for group in torch.unique(group_index):
         members = group_index == group
         values = reward[members]
