@@ -21,7 +21,7 @@ import itertools
 import aiohttp
 import uvicorn
 
-from clawrl.gateway.app import create_redis
+from clawrl.gateway.lifespan import create_redis
 from clawrl.gateway.settings import GatewaySettings
 
 

@@ -9,8 +9,8 @@ import pytest
 from redis.asyncio import Redis
 
 from clawrl.common.served import write_served_tenant
-from clawrl.gateway.app import restore_tenant_adapters
 from clawrl.gateway.control import PauseGate
+from clawrl.gateway.lifespan import restore_tenant_adapters
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.settings import GatewaySettings
 

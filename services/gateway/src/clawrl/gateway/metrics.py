@@ -13,9 +13,19 @@ HOLD_BUCKETS_S = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class GatewayMetrics:
+    """Every metric the gateway exports, registered by concern."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._requests(self.registry)
+        self._recording(self.registry)
+        self._spool(self.registry)
+        self._pauses(self.registry)
+        self._tenants(self.registry)
+        self._feedback(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """HTTP requests, and the generations they ask the engine for."""
         self.requests = Counter(
             "clawrl_gateway_requests_total",
             "HTTP requests by route and status.",
@@ -58,6 +68,16 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "clawrl_gateway_in_flight_requests", "Generations running now.", registry=r
         )
+        self.engine_errors = Counter(
+            "clawrl_gateway_engine_errors_total",
+            "Failed engine calls, by kind (unavailable, server_error, rejected, bad_reply, "
+            "adapter_not_loaded).",
+            ["kind"],
+            registry=r,
+        )
+
+    def _recording(self, r: CollectorRegistry) -> None:
+        """Sessions and the turns recorded for training."""
         self.active_sessions = Gauge(
             "clawrl_gateway_active_sessions",
             "Sessions with activity within the idle timeout (all replicas; from Redis).",
@@ -99,7 +119,15 @@ class GatewayMetrics:
             "went on in the background, so its turn was recorded or spooled all the same.",
             registry=r,
         )
-        # The recording spool (spool.py): calls Redis did not take, replayed when it is back.
+        self.unknown_weight_turns = Counter(
+            "clawrl_gateway_unknown_weight_turns_total",
+            "Main turns the engine served with weights of no known version (e.g. restarted on "
+            "its base model after a sync): recorded as unknown_weights, never trained.",
+            registry=r,
+        )
+
+    def _spool(self, r: CollectorRegistry) -> None:
+        """The recording spool (spool.py): calls Redis did not take, replayed when it is back."""
         self.spooled = Counter(
             "clawrl_gateway_spooled_calls_total",
             "Recording calls (record, finalize) kept in the local spool: Redis did not take "
@@ -129,13 +157,9 @@ class GatewayMetrics:
             "Size of the local spool on disk.",
             registry=r,
         )
-        self.engine_errors = Counter(
-            "clawrl_gateway_engine_errors_total",
-            "Failed engine calls, by kind (unavailable, server_error, rejected, bad_reply, "
-            "adapter_not_loaded).",
-            ["kind"],
-            registry=r,
-        )
+
+    def _pauses(self, r: CollectorRegistry) -> None:
+        """Weight syncs as the gateway sees them: pauses, held requests, the version served."""
         self.paused = Gauge(
             "clawrl_gateway_paused", "1 while paused for a weight sync.", registry=r
         )
@@ -171,12 +195,6 @@ class GatewayMetrics:
         self.policy_version = Gauge(
             "clawrl_gateway_policy_version", "Policy version now served.", registry=r
         )
-        self.unknown_weight_turns = Counter(
-            "clawrl_gateway_unknown_weight_turns_total",
-            "Main turns the engine served with weights of no known version (e.g. restarted on "
-            "its base model after a sync): recorded as unknown_weights, never trained.",
-            registry=r,
-        )
         self.lease_version_adoptions = Counter(
             "clawrl_gateway_lease_version_adoptions_total",
             "Expired pause leases resumed on the engine's version, by outcome (adopted, same, "
@@ -184,6 +202,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.adapter_switches = Counter(
+            "clawrl_gateway_adapter_switches_total",
+            "SwitchAdapter calls: LoRA versions put into service with no pause.",
+            registry=r,
+        )
+
+    def _tenants(self, r: CollectorRegistry) -> None:
+        """Generations and the version served, per tenant."""
         # Per tenant: a tenant served an adapter of its own (SwitchAdapter with its tenant) has
         # its id as label value, every other caller "shared" (bounded by the trainer's
         # tenants.max_adapters).
@@ -200,11 +226,9 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
-        self.adapter_switches = Counter(
-            "clawrl_gateway_adapter_switches_total",
-            "SwitchAdapter calls: LoRA versions put into service with no pause.",
-            registry=r,
-        )
+
+    def _feedback(self, r: CollectorRegistry) -> None:
+        """POST /v1/feedback."""
         self.feedback = Counter(
             "clawrl_gateway_feedback_total",
             "POST /v1/feedback by outcome: accepted (the judge will merge it), late (the "

@@ -11,9 +11,17 @@ AGREEMENT_BUCKETS = (0.0, 0.34, 0.5, 0.67, 0.75, 0.99, 1.0)
 
 
 class JudgeMetrics:
+    """Every metric the judge exports, registered by concern."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._outcomes(self.registry)
+        self._judging(self.registry)
+        self._latency(self.registry)
+        self._streams(self.registry)
+
+    def _outcomes(self, r: CollectorRegistry) -> None:
+        """What became of each turn: published, dead-lettered, retried, failed."""
         self.turns = Counter(
             "clawrl_judge_turns_total",
             "Turns handled, by outcome: published (a sample was written), promoted, duplicate "
@@ -34,6 +42,33 @@ class JudgeMetrics:
             ["reason"],
             registry=r,
         )
+        self.dead_lettered = Counter(
+            "clawrl_judge_dead_lettered_total",
+            "Turns moved to the dead-letter stream, by reason (malformed, teacher, "
+            "reward_fn, max_deliveries).",
+            ["reason"],
+            registry=r,
+        )
+        self.engine_retries = Counter(
+            "clawrl_judge_engine_retries_total",
+            "Turns put back to wait because an engine or judge API was unavailable.",
+            registry=r,
+        )
+        self.errors = Counter(
+            "clawrl_judge_errors_total",
+            "Unexpected failures judging a turn (left pending for redelivery), by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.shortened = Counter(
+            "clawrl_judge_prompts_shortened_total",
+            "Judge prompts with a part shortened in the middle to fit, by kind (prm, hint).",
+            ["kind"],
+            registry=r,
+        )
+
+    def _judging(self, r: CollectorRegistry) -> None:
+        """How turns were judged: PRM votes, hindsight hints, explicit feedback."""
         self.votes = Counter(
             "clawrl_judge_votes_total",
             "Votes asked, by kind (prm, hint) and result (valid, invalid = no parsable "
@@ -72,6 +107,17 @@ class JudgeMetrics:
             ["select"],
             registry=r,
         )
+        self.feedback = Counter(
+            "clawrl_judge_feedback_total",
+            "Explicit feedback (POST /v1/feedback) by use: reward_override, reward_weighted, "
+            "hint (a comment as the hindsight hint), reward_unused (opd trains on the teacher "
+            "only), late (arrived while its turn was judged: audited, not merged).",
+            ["use"],
+            registry=r,
+        )
+
+    def _latency(self, r: CollectorRegistry) -> None:
+        """How long judging takes."""
         self.judge_latency = Histogram(
             "clawrl_judge_vote_duration_seconds",
             "Time for a turn's m votes (all concurrent), by kind.",
@@ -91,38 +137,9 @@ class JudgeMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.dead_lettered = Counter(
-            "clawrl_judge_dead_lettered_total",
-            "Turns moved to the dead-letter stream, by reason (malformed, teacher, "
-            "reward_fn, max_deliveries).",
-            ["reason"],
-            registry=r,
-        )
-        self.engine_retries = Counter(
-            "clawrl_judge_engine_retries_total",
-            "Turns put back to wait because an engine or judge API was unavailable.",
-            registry=r,
-        )
-        self.errors = Counter(
-            "clawrl_judge_errors_total",
-            "Unexpected failures judging a turn (left pending for redelivery), by stage.",
-            ["stage"],
-            registry=r,
-        )
-        self.feedback = Counter(
-            "clawrl_judge_feedback_total",
-            "Explicit feedback (POST /v1/feedback) by use: reward_override, reward_weighted, "
-            "hint (a comment as the hindsight hint), reward_unused (opd trains on the teacher "
-            "only), late (arrived while its turn was judged: audited, not merged).",
-            ["use"],
-            registry=r,
-        )
-        self.shortened = Counter(
-            "clawrl_judge_prompts_shortened_total",
-            "Judge prompts with a part shortened in the middle to fit, by kind (prm, hint).",
-            ["kind"],
-            registry=r,
-        )
+
+    def _streams(self, r: CollectorRegistry) -> None:
+        """The turns stream and Redis, as the judge's housekeeping sees them."""
         self.lag = Gauge(
             "clawrl_judge_consumer_lag_entries",
             "Turns on the stream not yet delivered to the judges group.",

@@ -21,7 +21,13 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+        self._sglang(self.registry, model_name)
+        self._scheduling(self.registry)
+        self._lora(self.registry)
+
+    def _sglang(self, r: CollectorRegistry, model_name: str) -> None:
+        """SGLang's metrics, under its names and bound to its model_name label."""
+        labels = ["model_name"]
 
         def bound(metric):
             return metric.labels(model_name=model_name)
@@ -82,6 +88,9 @@ class EngineMetrics:
                 registry=r,
             )
         )
+
+    def _scheduling(self, r: CollectorRegistry) -> None:
+        """The CPU engine's scheduler: refusals, aborts, batches, the prefix cache, weight loads."""
         self.rejected_requests = Counter(
             "clawrl_engine_rejected_requests",
             "Requests refused before generation, by reason (invalid, adapter_not_loaded, "
@@ -141,6 +150,14 @@ class EngineMetrics:
             buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192),
             registry=r,
         )
+        self.engine_errors = Counter(
+            "clawrl_engine_forward_errors",
+            "Forward passes that raised (their requests are aborted).",
+            registry=r,
+        )
+
+    def _lora(self, r: CollectorRegistry) -> None:
+        """LoRA adapters: loads, swaps, slots and evictions."""
         self.lora_adapters = Gauge(
             "clawrl_engine_lora_adapters", "LoRA adapters loaded.", registry=r
         )
@@ -200,10 +217,5 @@ class EngineMetrics:
             "clawrl_engine_lora_drains",
             "Adapters of a full batch drained (no new requests until theirs end) to make room "
             "for one that waited past lora_drain_wait_threshold.",
-            registry=r,
-        )
-        self.engine_errors = Counter(
-            "clawrl_engine_forward_errors",
-            "Forward passes that raised (their requests are aborted).",
             registry=r,
         )

@@ -48,10 +48,16 @@ STEP_GAUGES = {
 
 
 class TrainerMetrics:
+    """Every metric the trainer exports, registered by concern."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.steps = Counter("clawrl_trainer_steps_total", "Optimizer steps taken.", registry=r)
+        self._samples(self.registry)
+        self._tenants(self.registry)
+        self._steps(self.registry)
+
+    def _samples(self, r: CollectorRegistry) -> None:
+        """The samples the trainer reads: consumed, dropped, trained, how late."""
         self.samples_consumed = Counter(
             "clawrl_trainer_samples_consumed_total",
             "Samples read from the stream, by kind (trained, masked, dropped).",
@@ -69,6 +75,24 @@ class TrainerMetrics:
         )
         for reason in DROP_REASONS:
             self.samples_dropped.labels(reason)
+        self.tokens = Counter(
+            "clawrl_trainer_tokens_total", "Prompt + response tokens trained.", registry=r
+        )
+        self.sample_latency = Histogram(
+            "clawrl_trainer_sample_latency_seconds",
+            "From a sample's XADD to the end of the step that trained it.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "clawrl_trainer_sample_staleness_versions",
+            "Policy versions between a trained sample's sampling policy and the trainer's.",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+
+    def _tenants(self, r: CollectorRegistry) -> None:
+        """Per tenant: steps, samples, rewards, staleness, versions, resets."""
         # Per-tenant mode; the tenant label is bounded by tenants.max_adapters (+ "shared").
         self.tenant_steps = Counter(
             "clawrl_trainer_tenant_steps_total",
@@ -117,9 +141,10 @@ class TrainerMetrics:
             ["outcome"],
             registry=r,
         )
-        self.tokens = Counter(
-            "clawrl_trainer_tokens_total", "Prompt + response tokens trained.", registry=r
-        )
+
+    def _steps(self, r: CollectorRegistry) -> None:
+        """The optimizer steps: their phases, figures, versions and failures."""
+        self.steps = Counter("clawrl_trainer_steps_total", "Optimizer steps taken.", registry=r)
         self.step_seconds = Histogram(
             "clawrl_trainer_step_duration_seconds",
             "Time of one step, by phase (logprobs, forward_backward, optimizer, checkpoint, "
@@ -132,18 +157,6 @@ class TrainerMetrics:
         # already counted, and a rate over it misses the step (the Step time panel stayed empty).
         for phase in STEP_PHASES:
             self.step_seconds.labels(phase)
-        self.sample_latency = Histogram(
-            "clawrl_trainer_sample_latency_seconds",
-            "From a sample's XADD to the end of the step that trained it.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.staleness = Histogram(
-            "clawrl_trainer_sample_staleness_versions",
-            "Policy versions between a trained sample's sampling policy and the trainer's.",
-            buckets=STALENESS_BUCKETS,
-            registry=r,
-        )
         self.policy_version = Gauge(
             "clawrl_trainer_policy_version", "Latest policy version exported.", registry=r
         )

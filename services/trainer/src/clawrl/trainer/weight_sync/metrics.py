@@ -19,7 +19,12 @@ class WeightSyncMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._syncs(self.registry)
+        self._lora(self.registry)
+        self._tenants(self.registry)
+
+    def _syncs(self, r: CollectorRegistry) -> None:
+        """Every sync: its outcome, pause and load, the versions, and what went wrong around it."""
         self.syncs = Counter(
             "clawrl_weight_sync_syncs_total",
             "Finished syncs by outcome (ok, skipped, failed, inconsistent, busy, crashed).",
@@ -64,7 +69,23 @@ class WeightSyncMetrics:
             "version from disk instead.",
             registry=r,
         )
+        self.convergence_syncs = Counter(
+            "clawrl_weight_sync_convergence_syncs_total",
+            "Syncs of the served version the launcher started because replicas left it, by "
+            "cause (engines: one serves other weights, e.g. restarted; gateways: one admits "
+            "another version).",
+            ["cause"],
+            registry=r,
+        )
+        self.busy_waits = Counter(
+            "clawrl_weight_sync_busy_waits_total",
+            "Sync attempts that found the lock held (a running or dead sync) and waited for it "
+            "instead of counting as a failed attempt.",
+            registry=r,
+        )
 
+    def _lora(self, r: CollectorRegistry) -> None:
+        """LoRA syncs: the switch with no pause, and the adapters loaded, kept and unloaded."""
         self.switch = Histogram(
             "clawrl_weight_sync_switch_duration_seconds",
             "LoRA syncs: first SwitchAdapter sent to the last answered (no pause).",
@@ -89,20 +110,6 @@ class WeightSyncMetrics:
             "or their unload failed.",
             registry=r,
         )
-        self.convergence_syncs = Counter(
-            "clawrl_weight_sync_convergence_syncs_total",
-            "Syncs of the served version the launcher started because replicas left it, by "
-            "cause (engines: one serves other weights, e.g. restarted; gateways: one admits "
-            "another version).",
-            ["cause"],
-            registry=r,
-        )
-        self.busy_waits = Counter(
-            "clawrl_weight_sync_busy_waits_total",
-            "Sync attempts that found the lock held (a running or dead sync) and waited for it "
-            "instead of counting as a failed attempt.",
-            registry=r,
-        )
         self.adapter_reloads = Counter(
             "clawrl_weight_sync_adapter_reloads_total",
             "Engines found without the adapter the gateways route to (restarted), by outcome "
@@ -112,6 +119,8 @@ class WeightSyncMetrics:
             registry=r,
         )
 
+    def _tenants(self, r: CollectorRegistry) -> None:
+        """Per-tenant mode: each tenant's syncs and version."""
         self.tenant_syncs = Counter(
             "clawrl_weight_sync_tenant_syncs_total",
             "Per-tenant mode: finished syncs of one tenant's adapter, by tenant and outcome (ok, "
