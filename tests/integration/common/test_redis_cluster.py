@@ -7,9 +7,7 @@ anonymous conversation is matched across shards."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,19 +15,16 @@ from redis.asyncio.cluster import RedisCluster
 
 from clawrl.common.records import Sample, decode_entry
 from clawrl.common.redis_client import run_script
-from clawrl.common.shards import Shards
 from clawrl.judge.service import build_store, running
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.service import make_consumer
 from clawrl.trainer.settings import TrainerSettings
-from tests.conftest import VENV_BIN, ChildProcess, free_port, wait_until
 from tests.integration.judge.helpers import judge_settings
-from tests.redis_cluster import start_cluster
+from tests.redis_cluster import cluster_gateway, sessions_on_every_shard, start_cluster
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[3]
 SHARDS = 3
 BANANA = {"reward_fn": "clawrl.judge.reward_examples:ends_with_word",
           "reward_fn_args": {"word": "banana"}}  # fmt: skip
@@ -45,46 +40,8 @@ def cluster(log_dir):
 @pytest.fixture(scope="module")
 def gateway(log_dir, cluster):
     """(gateway url, turns stream): an instant engine and a gateway on the cluster."""
-    engine_port, port, grpc_port = free_port(), free_port(), free_port()
-    engine = ChildProcess("cluster-engine", [
-        sys.executable, str(REPO / "tests/bench/instant_engine.py"), "--port", str(engine_port),
-    ], log_dir)  # fmt: skip
-    tag = uuid.uuid4().hex[:8]
-    stream = f"c:{tag}:turns"
-    gateway = ChildProcess("cluster-gateway", [
-        str(VENV_BIN / "clawrl-gateway"), "--host", "127.0.0.1", "--port", str(port),
-        "--grpc-port", str(grpc_port), "--engine-url", f"http://127.0.0.1:{engine_port}",
-        "--redis-url", cluster.url,
-    ], log_dir, env={
-        "CLAWRL_CONFIG": "/nonexistent/clawrl.toml",
-        "CLAWRL_MODEL__PATH": "smollm2-tiny",
-        "CLAWRL_REDIS__CLUSTER": "true",
-        "CLAWRL_REDIS__STREAM_SHARDS": str(SHARDS),
-        "CLAWRL_REDIS__TURNS_STREAM": stream,
-        "CLAWRL_SESSIONS__KEY_PREFIX": f"c:{tag}:gw",
-        "CLAWRL_SESSIONS__SPOOL_DIR": str(log_dir / f"spool-cluster-{tag}"),
-        "CLAWRL_CONTROL__SERVED_KEY": f"c:{tag}:serving",
-    })  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 300,
-                   gateway.name, gateway.proc)  # fmt: skip
-    except Exception:
-        print(gateway.log_tail(), file=sys.stderr)
-        raise
-    yield url, stream
-    gateway.stop()
-    engine.stop()
-
-
-def sessions_on_every_shard(per_shard: int) -> list[str]:
-    """Session ids, `per_shard` of them hashed to each shard (so every shard gets turns)."""
-    shards, found = Shards(SHARDS, cluster=True), {k: [] for k in range(SHARDS)}
-    while min(len(ids) for ids in found.values()) < per_shard:
-        session_id = f"cl-{uuid.uuid4().hex[:10]}"
-        if len(found[shards.of(session_id)]) < per_shard:
-            found[shards.of(session_id)].append(session_id)
-    return [sid for ids in found.values() for sid in ids]
+    with cluster_gateway(log_dir, cluster, SHARDS) as gateway:
+        yield gateway.url, gateway.stream
 
 
 def converse(url: str, turns: int, session_id: str | None) -> list[str]:
@@ -112,7 +69,7 @@ def converse(url: str, turns: int, session_id: str | None) -> list[str]:
 
 async def test_every_turn_reaches_the_samples_once_over_3_primaries(cluster, gateway) -> None:
     url, stream = gateway
-    named = sessions_on_every_shard(per_shard=3)
+    named = sessions_on_every_shard(3, SHARDS)
     turn_ids: list[str] = []
     for session_id in named:
         turn_ids += await asyncio.to_thread(converse, url, 3, session_id)
