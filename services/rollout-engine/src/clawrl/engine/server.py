@@ -152,8 +152,17 @@ async def _body(request: Request) -> Any:
 
 
 def _add_native_routes(app: FastAPI, state: AppState) -> None:
-    def engine() -> CpuEngine:
-        return state.engine
+    """SGLang's native routes, by family. The engine is read from `state` per request: the
+    lifespan sets it after the routes are added."""
+    _add_health_routes(app, state)
+    _add_generate_route(app, state)
+    _add_weight_routes(app, state)
+    _add_control_routes(app, state)
+    _add_info_routes(app, state)
+
+
+def _add_health_routes(app: FastAPI, state: AppState) -> None:
+    """Liveness, and readiness to generate (one token)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -163,44 +172,52 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
     async def health_generate() -> Response:
         # While paused (a weight sync in progress) the engine is healthy but must not
         # generate: a liveness probe here must not restart the pod or wait on the pause.
-        if engine().paused:
+        if state.engine.paused:
             return Response(status_code=200)
         probe = GenerationRequest(
-            input_ids=[(engine().eos_token_ids and min(engine().eos_token_ids)) or 0],
+            input_ids=[(state.engine.eos_token_ids and min(state.engine.eos_token_ids)) or 0],
             sampling=SamplingRow(temperature=0.0),
             stop=StopCriteria(max_new_tokens=1),
         )
         try:
             await asyncio.wait_for(
-                engine().generate_once(probe), state.settings.engine.health_generate_timeout_s
+                state.engine.generate_once(probe), state.settings.engine.health_generate_timeout_s
             )
         except (TimeoutError, QueueFullError) as exc:
             log.warning("health_generate failed: %r", exc)
             return Response(status_code=503)
         return Response(status_code=200)
 
+
+def _add_generate_route(app: FastAPI, state: AppState) -> None:
+    """/generate, whole or streamed (server-sent events)."""
+
     @app.post("/generate")
     async def generate(request: Request):
         body = parse(GenerateRequest, await _body(request))
-        tokenizer = engine().tokenizer
+        tokenizer = state.engine.tokenizer
         gen = generation_request(body, tokenizer.encode, state.limits)
-        gen = await engine().resolve_adapter(gen)
+        gen = await state.engine.resolve_adapter(gen)
         if gen.stream:
             # Queue now, so a full queue is a 503 rather than a broken stream.
-            states = engine().generate(gen)
+            states = state.engine.generate(gen)
             incremental = state.settings.engine.incremental_streaming_output
             return StreamingResponse(
-                _generate_events(engine(), states, incremental), media_type="text/event-stream"
+                _generate_events(state.engine, states, incremental), media_type="text/event-stream"
             )
-        result = await engine().generate_once(gen)
-        return generate_response(result, engine().token_text)
+        result = await state.engine.generate_once(gen)
+        return generate_response(result, state.engine.token_text)
+
+
+def _add_weight_routes(app: FastAPI, state: AppState) -> None:
+    """Weight updates: from disk, or broadcast to a group inside a weight-update session."""
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = parse(UpdateWeightsFromDiskRequest, await _body(request))
         if body.abort_all_requests:
-            await engine().abort_all()
-        result = await engine().update_weights_from_disk(
+            await state.engine.abort_all()
+        result = await state.engine.update_weights_from_disk(
             body.model_path, body.weight_version, body.load_format
         )
         return weights_reply(result)
@@ -208,7 +225,7 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
         body = parse(InitWeightsUpdateGroupRequest, await _body(request))
-        result = await engine().init_weights_update_group(
+        result = await state.engine.init_weights_update_group(
             body.master_address, body.master_port, body.rank_offset, body.world_size,
             body.group_name, body.backend,
         )  # fmt: skip
@@ -218,8 +235,8 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = parse(UpdateWeightsFromDistributedRequest, await _body(request))
         if body.abort_all_requests:
-            await engine().abort_all()
-        result = await engine().update_weights_from_distributed(
+            await state.engine.abort_all()
+        result = await state.engine.update_weights_from_distributed(
             body.names, body.dtypes, body.shapes, body.group_name, body.weight_version
         )
         return weights_reply(result)
@@ -227,33 +244,37 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         body = parse(DestroyWeightsUpdateGroupRequest, await _body(request))
-        return weights_reply(await engine().destroy_weights_update_group(body.group_name))
+        return weights_reply(await state.engine.destroy_weights_update_group(body.group_name))
 
     # SGLang's weight-update session: /update_weights_from_distributed only inside one.
     @app.post("/begin_weight_update")
     async def begin_weight_update() -> JSONResponse:
-        return weights_reply(engine().begin_weight_update())
+        return weights_reply(state.engine.begin_weight_update())
 
     @app.post("/end_weight_update")
     async def end_weight_update() -> JSONResponse:
-        return weights_reply(engine().end_weight_update())
+        return weights_reply(state.engine.end_weight_update())
+
+
+def _add_control_routes(app: FastAPI, state: AppState) -> None:
+    """Pausing and continuing generation; flushing the prefix cache."""
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:
         body = parse(PauseGenerationRequest, await _body(request))
-        await engine().pause(body.mode)
+        await state.engine.pause(body.mode)
         log.info("generation paused (mode=%s)", body.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation() -> dict:
-        await engine().resume()
+        await state.engine.resume()
         log.info("generation continued")
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        if not await engine().flush_cache():
+        if not await state.engine.flush_cache():
             # SGLang's answer: a flush would pull KV from under running requests.
             return PlainTextResponse(
                 "Cache not flushed. Please check backend logs for more details. (When there "
@@ -262,15 +283,19 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
             )
         return PlainTextResponse("Cache flushed.")
 
+
+def _add_info_routes(app: FastAPI, state: AppState) -> None:
+    """What the engine serves and how, and its metrics."""
+
     @app.get("/get_model_info")
     async def get_model_info() -> dict:
-        config = engine().runner.config
+        config = state.engine.runner.config
         return {
-            "model_path": str(engine().model_dir),
-            "tokenizer_path": str(engine().model_dir),
+            "model_path": str(state.engine.model_dir),
+            "tokenizer_path": str(state.engine.model_dir),
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": engine().weight_version,
+            "weight_version": state.engine.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(config, "model_type", None),
@@ -283,10 +308,10 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
         return {
             "version": VERSION,
             "backend": "cpu",
-            "model_path": str(engine().model_dir),
+            "model_path": str(state.engine.model_dir),
             "served_model_name": state.served_name,
-            "context_length": engine().context_length,
-            "weight_version": engine().weight_version,
+            "context_length": state.engine.context_length,
+            "weight_version": state.engine.weight_version,
             "max_running_requests": s.engine.max_running_requests,
             "max_queued_requests": s.engine.max_queued_requests,
             "max_total_tokens": s.engine.max_total_tokens,
@@ -295,12 +320,12 @@ def _add_native_routes(app: FastAPI, state: AppState) -> None:
             "max_loaded_loras": s.engine.max_loaded_loras,
             "lora_eviction_policy": s.engine.lora_eviction_policy,
             "lora_drain_wait_threshold": s.engine.lora_drain_wait_threshold,
-            "max_lora_rank": engine().max_lora_rank or None,
+            "max_lora_rank": state.engine.max_lora_rank or None,
             "internal_states": [
                 {
-                    "num_running_reqs": engine().scheduler.num_running,
-                    "num_queue_reqs": engine().scheduler.num_waiting,
-                    "paused": engine().paused,
+                    "num_running_reqs": state.engine.scheduler.num_running,
+                    "num_queue_reqs": state.engine.scheduler.num_waiting,
+                    "paused": state.engine.paused,
                 }
             ],
         }

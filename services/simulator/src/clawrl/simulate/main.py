@@ -87,114 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     sim = commands.add_parser("simulate", help="a scripted user drives the gateway")
     add_client_args(sim)
-    sim.add_argument(
-        "--scenario",
-        choices=sorted(SCENARIOS),
-        default="preference",
-        help="preference: open questions, the user wants one paragraph (judge reward "
-        "clawrl.judge.reward_examples:stated_preference); lines: the same questions, the user "
-        "wants points on separate lines (same reward); arithmetic: word problems "
-        "(arithmetic_confirmed)",
-    )
-    sim.add_argument(
-        "--tenants",
-        type=int,
-        default=1,
-        help="simulated users, each a tenant of its own (its API key from --tenant-keys, its "
-        "scenario from --tenant-scenarios); with the stack in per-tenant mode each learns its "
-        "own adapter, and each user's held-out score is also taken under the next user's "
-        "adapter",
-    )
-    sim.add_argument(
-        "--tenant-keys",
-        type=comma_list,
-        default=["tenant-a", "tenant-b"],
-        help="the tenants' API keys, comma-separated (the gateway's [serving] api_keys)",
-    )
-    sim.add_argument(
-        "--tenant-scenarios",
-        type=comma_list,
-        default=["preference", "lines"],
-        help="the tenants' scenarios, comma-separated (preference: one paragraph; lines: the "
-        "opposite taste, points on separate lines)",
-    )
-    sim.add_argument(
-        "--remarks",
-        choices=("fixed", "varied"),
-        default="fixed",
-        help="the user's wording: fixed (one remark per verdict, opening with Thanks or Please: "
-        "the judge reward stated_preference reads it) or varied (at least 8 per verdict, drawn "
-        "by --seed; terse ones, questions: the judge reward remark_sentiment reads it)",
-    )
-    sim.add_argument("--sessions", type=int, default=20, help="sessions in all (0: no limit)")
-    sim.add_argument("--turns", type=int, default=3, help="questions per session")
-    sim.add_argument("--concurrency", type=int, default=4, help="sessions at once")
-    sim.add_argument(
-        "--until-version",
-        type=int,
-        help="start no new session once a reply comes from this version",
-    )
-    sim.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the questions")
-    sim.add_argument(
-        "--held-out",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="score the held-out questions for each new version it sees (default: on with the "
-        "preference scenario)",
-    )
-    sim.add_argument(
-        "--held-out-every",
-        type=int,
-        default=1,
-        help="score a version only once it is this many versions past the last one scored "
-        "(the final version is always scored): each score asks 32 questions of the engine",
-    )
-    sim.add_argument(
-        "--redis-url",
-        default="redis://localhost:6390/0",
-        help="Redis of the stack, to read the judge's rewards ('' to skip)",
-    )
-    sim.add_argument(
-        "--engine-url",
-        help="the policy engine (SGLang API): held-out evaluations ask it, pinned to each "
-        "version's LoRA adapter policy-vN, so no sync can split one, and score the replies' "
-        "mean NLL per token under its base weights (LoRA runs only)",
-    )
-    sim.add_argument("--samples-stream", default="clawrl:samples", help="samples stream")
-    sim.add_argument(
-        "--stream-shards", type=int, default=1, help="the stack's [redis] stream_shards"
-    )
-    sim.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="the stack's Redis is a cluster ([redis] cluster)",
-    )
-    sim.add_argument("--settle-s", type=float, default=10.0, help="wait for the judge at the end")
-    sim.add_argument("--out-dir", type=Path, default=Path("run/simulate"), help="CSV + PNG here")
+    add_user_args(sim)
+    add_session_args(sim)
+    add_stack_args(sim)
     ev = commands.add_parser(
         "eval", help="held-out score of a served version against the user's preference"
     )
     add_client_args(ev)
-    ev.add_argument(
-        "--lora",
-        type=adapter_name,
-        help="against an engine: the adapter to score (policy-vN or tenant-<id>-vN, sent as "
-        "lora_path); unset: what the endpoint serves (through the gateway: the current version "
-        "of the API key's tenant, as side turns)",
-    )
-    ev.add_argument(
-        "--engine-url",
-        help="the policy engine (SGLang API): also score the replies' mean NLL per token under "
-        "its base weights (no adapter), so a collapse cannot pass for learning (LoRA runs)",
-    )
-    ev.add_argument(
-        "--taste",
-        choices=sorted(TASTES),
-        default="paragraph",
-        help="whose verdict scores the replies: the paragraph user (--scenario preference) or "
-        "the lines user (--scenario lines)",
-    )
+    add_eval_args(ev)
     judge_eval.add_arguments(commands.add_parser(
         "judge-eval", help="measure a judge (PRM accuracy, parse rate, hint yield, latency) on "
         "a labelled set of turns",
@@ -205,6 +105,130 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--held-out-every must be at least 1")
         check_tenants(parser, args)
     return args
+
+
+def add_user_args(parser: argparse.ArgumentParser) -> None:
+    """simulate: who the simulated users are (scenario, tenants, wording)."""
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="preference",
+        help="preference: open questions, the user wants one paragraph (judge reward "
+        "clawrl.judge.reward_examples:stated_preference); lines: the same questions, the user "
+        "wants points on separate lines (same reward); arithmetic: word problems "
+        "(arithmetic_confirmed)",
+    )
+    parser.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        help="simulated users, each a tenant of its own (its API key from --tenant-keys, its "
+        "scenario from --tenant-scenarios); with the stack in per-tenant mode each learns its "
+        "own adapter, and each user's held-out score is also taken under the next user's "
+        "adapter",
+    )
+    parser.add_argument(
+        "--tenant-keys",
+        type=comma_list,
+        default=["tenant-a", "tenant-b"],
+        help="the tenants' API keys, comma-separated (the gateway's [serving] api_keys)",
+    )
+    parser.add_argument(
+        "--tenant-scenarios",
+        type=comma_list,
+        default=["preference", "lines"],
+        help="the tenants' scenarios, comma-separated (preference: one paragraph; lines: the "
+        "opposite taste, points on separate lines)",
+    )
+    parser.add_argument(
+        "--remarks",
+        choices=("fixed", "varied"),
+        default="fixed",
+        help="the user's wording: fixed (one remark per verdict, opening with Thanks or Please: "
+        "the judge reward stated_preference reads it) or varied (at least 8 per verdict, drawn "
+        "by --seed; terse ones, questions: the judge reward remark_sentiment reads it)",
+    )
+
+
+def add_session_args(parser: argparse.ArgumentParser) -> None:
+    """simulate: how many sessions, how they sample, when the held-out score is taken."""
+    parser.add_argument("--sessions", type=int, default=20, help="sessions in all (0: no limit)")
+    parser.add_argument("--turns", type=int, default=3, help="questions per session")
+    parser.add_argument("--concurrency", type=int, default=4, help="sessions at once")
+    parser.add_argument(
+        "--until-version",
+        type=int,
+        help="start no new session once a reply comes from this version",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=TEMPERATURE, help="sampling temperature"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the questions")
+    parser.add_argument(
+        "--held-out",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="score the held-out questions for each new version it sees (default: on with the "
+        "preference scenario)",
+    )
+    parser.add_argument(
+        "--held-out-every",
+        type=int,
+        default=1,
+        help="score a version only once it is this many versions past the last one scored "
+        "(the final version is always scored): each score asks 32 questions of the engine",
+    )
+
+
+def add_stack_args(parser: argparse.ArgumentParser) -> None:
+    """simulate: where the stack's Redis and engine are, and where the report goes."""
+    parser.add_argument(
+        "--redis-url",
+        default="redis://localhost:6390/0",
+        help="Redis of the stack, to read the judge's rewards ('' to skip)",
+    )
+    parser.add_argument(
+        "--engine-url",
+        help="the policy engine (SGLang API): held-out evaluations ask it, pinned to each "
+        "version's LoRA adapter policy-vN, so no sync can split one, and score the replies' "
+        "mean NLL per token under its base weights (LoRA runs only)",
+    )
+    parser.add_argument("--samples-stream", default="clawrl:samples", help="samples stream")
+    parser.add_argument(
+        "--stream-shards", type=int, default=1, help="the stack's [redis] stream_shards"
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the stack's Redis is a cluster ([redis] cluster)",
+    )
+    parser.add_argument(
+        "--settle-s", type=float, default=10.0, help="wait for the judge at the end"
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("run/simulate"), help="CSV + PNG here")
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """eval: which version to score, and against whose taste."""
+    parser.add_argument(
+        "--lora",
+        type=adapter_name,
+        help="against an engine: the adapter to score (policy-vN or tenant-<id>-vN, sent as "
+        "lora_path); unset: what the endpoint serves (through the gateway: the current version "
+        "of the API key's tenant, as side turns)",
+    )
+    parser.add_argument(
+        "--engine-url",
+        help="the policy engine (SGLang API): also score the replies' mean NLL per token under "
+        "its base weights (no adapter), so a collapse cannot pass for learning (LoRA runs)",
+    )
+    parser.add_argument(
+        "--taste",
+        choices=sorted(TASTES),
+        default="paragraph",
+        help="whose verdict scores the replies: the paragraph user (--scenario preference) or "
+        "the lines user (--scenario lines)",
+    )
 
 
 def check_tenants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
