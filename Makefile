@@ -40,7 +40,9 @@ test-fast: setup  ## unit tests only
 proto: setup  ## regenerate the protobuf/gRPC code in clawrl.common.proto
 	$(PY) -m clawrl.common.protogen
 
+# check_sizes.py: no file over 600 lines under services/ and deploy/, no function over 80 in services/.
 lint: setup
+	$(PY) scripts/check_sizes.py
 	$(VENV)/bin/ruff check services tests deploy
 	$(VENV)/bin/ruff format --check services tests deploy
 	$(VENV)/bin/hadolint services/*/Dockerfile
