@@ -5,6 +5,7 @@ log-probs, the finish reason). Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,50 @@ class Generation:
             self.finish = kind
             matched = finish.get("matched") if isinstance(finish, dict) else None
             self.matched_stop = matched if isinstance(matched, str) else None
+        return added
+
+
+def trim_stop_string(generation: Generation, decode: Callable[[list[int]], str] | None) -> None:
+    """Cut what an engine left of the stop string that ended a generation. SGLang trims the
+    matched stop string only from text it has not sent on yet: the first characters of a stop
+    string that spans tokens, sampled before it could match, stay in its streamed text (and in
+    a whole reply when they fell on its force-stream interval), while the same tokens unstreamed
+    give the text without them. The sampled ids decide: decoded, the stop string begins where
+    the text should end, and a text that goes on past that by a proper prefix of it loses the
+    prefix. Any other text is the engine's, left as it is (`decode`: the policy tokenizer's)."""
+    matched, text = generation.matched_stop, generation.text
+    if not matched or generation.finish != "stop" or decode is None:
+        return
+    if not any(text.endswith(matched[:n]) for n in range(1, len(matched))):
+        return  # cheap: nothing that could be a leftover (the usual case)
+    decoded = decode(generation.ids)
+    at = decoded.find(matched)
+    if at < 0:
+        return
+    cut = decoded[:at]
+    if text != cut and text.startswith(cut) and matched.startswith(text[len(cut) :]):
+        generation.text = cut
+
+
+@dataclass
+class HeldText:
+    """What of a streamed generation's text can be sent yet: with stop strings, its last
+    `hold` characters (the longest stop string's length less one) wait for the next event, as
+    SGLang's own stream does not, so nothing sent can turn out to begin a stop string; once the
+    generation ends, the rest (after trim_stop_string)."""
+
+    hold: int = 0
+    sent: int = 0
+
+    @classmethod
+    def for_stops(cls, stops: list[str] | None) -> HeldText:
+        return cls(max((len(stop) for stop in stops or ()), default=1) - 1)
+
+    def advance(self, text: str, finished: bool = False) -> str:
+        end = len(text) if finished else len(text) - self.hold
+        if end <= self.sent:
+            return ""
+        added, self.sent = text[self.sent : end], end
         return added
 
 

@@ -284,6 +284,10 @@ class ResponseEvents:
         return out
 
     def failure(self, exc: Exception) -> bytes:
+        # The Responses API's error codes are a closed set (the SDK's ResponseError.code), and
+        # every failure of a started stream is the server's: the gateway's own code goes first
+        # in the message.
         error = to_http(exc, self.retry_after_s).body["error"]
-        reason = {"code": error["code"] or "server_error", "message": error["message"]}
+        message = f"{error['code']}: {error['message']}" if error["code"] else error["message"]
+        reason = {"code": "server_error", "message": message}
         return self.event("response.failed", response=self.response(status="failed", error=reason))

@@ -31,7 +31,14 @@ from clawrl.gateway.errors import (
     InvalidRequest,
     engine_error_kind,
 )
-from clawrl.gateway.generation import Completion, Generation, assistant_message, finish_reason
+from clawrl.gateway.generation import (
+    Completion,
+    Generation,
+    HeldText,
+    assistant_message,
+    finish_reason,
+    trim_stop_string,
+)
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
 from clawrl.gateway.recording import (
@@ -89,11 +96,16 @@ class ChatService:
         self.offload_render_chars = offload_render_chars
         self.retry_after_s = retry_after_s
         self.stop_token_ids = renderer.eos_token_ids
+        # What trim_stop_string reads sampled ids with (a renderer without a tokenizer: none).
+        self.decode = self._decode if hasattr(renderer, "tokenizer") else None
         # One thread: big renders wait for each other rather than fight for the GIL.
         self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="render")
 
     def close(self) -> None:
         self._render_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
 
     # --- preparing a request ------------------------------------------------------------
 
@@ -298,6 +310,7 @@ class ChatService:
             self._engine_failed(exc)
             await self._abandon(request, request_id, turn)
             raise
+        trim_stop_string(generation, self.decode)
         content, calls = (
             parse_tool_calls(generation.text, self.tool_call_parser)
             if request.parse_tool_calls
@@ -378,6 +391,10 @@ class ChatService:
             generation.update(first)
         except Exception as exc:
             await release()
+            # Opening events first even so: strict clients (the openai SDK's stream helper)
+            # refuse a stream whose first event is its failure.
+            for piece in encoder.opening():
+                yield piece
             yield await self._stream_failed(stream, exc, encoder)
             return
         parser = StreamingToolCallParser(
@@ -385,6 +402,7 @@ class ChatService:
         )
         calls: list[ToolCall] = []
         content: list[str] = []
+        held = HeldText.for_stops(request.stop)
 
         def pieces(deltas: list[Delta]) -> list[bytes]:
             out = []
@@ -402,14 +420,17 @@ class ChatService:
             for piece in encoder.opening():
                 yield piece
             try:
-                for piece in pieces(parser.feed(generation.text)):
+                for piece in pieces(parser.feed(held.advance(generation.text))):
                     yield piece
                 async for event in events:
-                    for piece in pieces(parser.feed(generation.update(event))):
+                    generation.update(event)
+                    for piece in pieces(parser.feed(held.advance(generation.text))):
                         yield piece
             finally:
                 await release()
-            for piece in pieces(parser.finish()):
+            trim_stop_string(generation, self.decode)
+            rest = parser.feed(held.advance(generation.text, finished=True))
+            for piece in pieces(rest + parser.finish()):
                 yield piece
         except Exception as exc:
             yield await self._stream_failed(stream, exc, encoder)
