@@ -151,3 +151,28 @@ async def test_many_script_calls_run_in_one_pipeline_per_node(cluster) -> None:
         assert await run_script(redis, script, [([key], []) for key in keys]) == [2] * 30
     finally:
         await redis.aclose()
+
+
+async def test_stored_responses_continue_on_a_cluster(cluster) -> None:
+    """The Responses conversations (gateway/conversations.py) on a cluster: a response and its
+    thread fall in different slots, and every command touches one key (issue 30)."""
+    from clawrl.gateway.conversations import ConversationStore, StoredConversation
+    from clawrl.gateway.metrics import GatewayMetrics
+
+    redis = RedisCluster.from_url(cluster.url)
+    store = ConversationStore(redis, GatewayMetrics(), prefix=f"t{uuid.uuid4().hex[:6]}",
+                              ttl_s=60, retry_after_s=1)  # fmt: skip
+    try:
+        parent, messages = None, []
+        for n in range(6):
+            messages = [*messages, {"role": "user", "content": f"q{n}"},
+                        {"role": "assistant", "content": f"a{n}"}]  # fmt: skip
+            await store.save(f"resp_{n}", StoredConversation("k", "s", messages), parent)
+            parent = await store.load(f"resp_{n}", "k")
+            assert parent.messages == messages
+        branch = StoredConversation("k", "s", [*messages[:2], {"role": "user", "content": "b"}])
+        await store.save("resp_b", branch, await store.load("resp_0", "k"))
+        assert (await store.load("resp_b", "k")).messages == branch.messages
+        assert store.metrics.recording_failures.labels("response_store")._value.get() == 0
+    finally:
+        await redis.aclose()

@@ -190,7 +190,7 @@ async def respond_responses(
     client sees its end, so its continuation always finds it."""
     request = parse_responses_request(body, headers)
     identify_tenant(gateway, headers, request.chat)
-    history, session_id = [], None
+    history, session_id, stored = [], None, None
     if request.previous_response_id is not None:
         stored = await gateway.conversations.load(
             request.previous_response_id, request.chat.session.owner
@@ -203,7 +203,7 @@ async def respond_responses(
             )
         history, session_id = stored.messages, stored.session_id
     request = continued(request, history, session_id)
-    save = store_response(gateway, request) if request.store else None
+    save = store_response(gateway, request, stored) if request.store else None
     service = gateway.service
     if request.chat.stream:
         stream = await service.open_stream(
@@ -222,13 +222,17 @@ def oversized(gateway: Gateway, route: str) -> None:
                 route, gateway.settings.serving.max_body_bytes)  # fmt: skip
 
 
-def store_response(gateway: Gateway, request: ResponsesRequest):
+def store_response(
+    gateway: Gateway, request: ResponsesRequest, parent: StoredConversation | None = None
+):
+    """What stores a finished response (`parent`: the stored response it continues)."""
+
     async def save(done) -> None:
         session_id = done.headers.get("X-Session-Id") or request.chat.session.session_id
         conversation = StoredConversation(
             request.chat.session.owner, session_id, stored_messages(request, done)
         )
-        await gateway.conversations.save(done.request_id, conversation)
+        await gateway.conversations.save(done.request_id, conversation, parent)
 
     return save
 
