@@ -31,6 +31,10 @@ def test_the_hook_pod_checks_the_gateway_and_redis() -> None:
     assert env["CLAWRL_REDIS__URL"] == "redis://:$(REDIS_PASSWORD)@clawrl-redis:6379/0"
     assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
     assert env["TURNS_STREAM"] == "clawrl:turns"
+    # A probe turn: recorded, never trained (the judge masks it); the script checks the mark.
+    (container,) = pod["spec"]["containers"]
+    assert '"X-Turn-Type": "probe"' in container["args"][0]
+    assert "Turn).probe" in container["args"][0]
     # The gateway's own key Secret, mounted where the script reads it.
     (keys,) = [v for v in pod["spec"]["volumes"] if v["name"] == "api-keys"]
     assert keys["secret"]["secretName"] == "clawrl-gateway"

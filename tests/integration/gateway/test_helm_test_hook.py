@@ -1,6 +1,8 @@
 """The chart's `helm test` hook (templates/tests/gateway-turn.yaml) run for real: its script, as
 rendered, against a real gateway with API keys, the CPU engine and Redis. It passes when the
-gateway answers and the turn lands on the turns stream, and fails on a key the gateway refuses."""
+gateway answers and the turn lands on the turns stream, and fails on a key the gateway refuses.
+The turn is a probe (issue 30): recorded as a main turn is, marked `probe`, which the judge masks
+(tests/unit/judge/test_judge_masks.py), so `helm test` trains nothing."""
 
 from __future__ import annotations
 
@@ -43,7 +45,9 @@ def test_the_hook_sees_the_gateway_answer_and_record_the_turn(hook, secured, tmp
     turn = result.stdout.split("turn recorded on ", 1)[1].split(": ", 1)[1].strip()
     session = turn.split(":")[0]
     assert session.startswith("helm-test-")
-    assert [t.session_id for t in secured.turns(session)] == [session]
+    (recorded,) = secured.turns(session)
+    assert recorded.session_id == session and recorded.probe
+    assert recorded.response_ids and recorded.prompt_ids  # recorded in full, as a main turn
 
 
 def test_the_hook_fails_when_the_gateway_refuses_it(hook, secured, tmp_path) -> None:

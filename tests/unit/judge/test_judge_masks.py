@@ -48,3 +48,20 @@ async def test_a_retry_orphan_is_masked_though_its_reward_fn_scores_it() -> None
     assert masked.audit["finalize_reason"] == "FINALIZE_REASON_RETRY_ORPHAN"
     assert masked.audit["mask_reason"] == "MASK_REASON_RETRY_ORPHAN"
     assert metrics.masked.labels("MASK_REASON_RETRY_ORPHAN")._value.get() == 1
+
+
+async def test_a_probe_is_masked_though_its_reward_fn_scores_it() -> None:
+    """A probe turn (X-Turn-Type: probe, the chart's `helm test` hook) is recorded to check the
+    recording path, never trained: whatever a reward_fn that scores the reply alone says, and
+    with a next state too (issue 30)."""
+    reward_fn = load_reward_fn("tests.integration.judge.plugins:by_response")
+    metrics = JudgeMetrics()
+    judge = Judge(mode="rl", metrics=metrics, reward_fn=reward_fn)
+    assert (await judge.judge(TurnView(turn(False)))).effective  # the same turn, no probe
+    probe = turn(False)
+    probe.probe = True
+    masked = await judge.judge(TurnView(probe))
+    assert masked.sample.mask_reason == MaskReason.MASK_REASON_PROBE
+    assert set(masked.sample.loss_mask) == {0.0} and masked.sample.reward == 0.0
+    assert not masked.effective and masked.audit["mask_reason"] == "MASK_REASON_PROBE"
+    assert metrics.masked.labels("MASK_REASON_PROBE")._value.get() == 1

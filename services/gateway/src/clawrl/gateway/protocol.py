@@ -30,7 +30,8 @@ from clawrl.gateway.errors import InvalidRequest
 from clawrl.gateway.sessions import caller_scope
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TURN_TYPES = ("main", "side")
+# probe: recorded as a main turn, marked Turn.probe, never trained (the judge masks it)
+TURN_TYPES = ("main", "side", "probe")
 SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
@@ -477,7 +478,8 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str], user: Any = N
         turn_type = str(turn_type).strip().lower()
         if turn_type not in TURN_TYPES:
             raise InvalidRequest(
-                f"X-Turn-Type must be 'main' or 'side', got {turn_type!r}", param="turn_type"
+                f"X-Turn-Type must be 'main', 'side' or 'probe', got {turn_type!r}",
+                param="turn_type",
             )
     done = headers.get("x-session-done")
     if done is None:

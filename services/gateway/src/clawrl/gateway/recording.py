@@ -155,6 +155,7 @@ class ServedTurn:
     created_ns: int = field(default_factory=time.time_ns)
     unknown_weights: bool = False  # the engine's weights were of no known version
     tenant: str = ""  # the caller's tenant (common/tenants.py)
+    probe: bool = False  # X-Turn-Type: probe: recorded, never trained
 
 
 def _timestamp(ns: int | None = None) -> Timestamp:
@@ -201,6 +202,7 @@ def pending_turn(request_id: str, served: ServedTurn) -> bytes:
         top_p=served.top_p,
         created_at=_timestamp(served.created_ns),
         tenant=served.tenant,
+        probe=served.probe,
     ).SerializeToString()
 
 

@@ -163,7 +163,8 @@ class ChatService:
         return payload
 
     def is_main(self, request: ChatRequest) -> bool:
-        return (request.session.turn_type or self.default_turn_type) == "main"
+        """Recorded as a main turn: main, or a probe (marked so, and never trained)."""
+        return (request.session.turn_type or self.default_turn_type) in ("main", "probe")
 
     def _begin_turn(self, request: ChatRequest, request_id: str) -> TurnContext | None:
         if self.recorder is None or not self.is_main(request):
@@ -273,6 +274,7 @@ class ChatService:
             temperature=request.temperature,
             top_p=request.top_p,
             tenant=request.session.tenant,
+            probe=request.session.turn_type == "probe",
         )
         turn_id = await self.recorder.finish(turn, served)
         headers = {"X-Session-Id": turn.session_id}

@@ -243,7 +243,11 @@ class Judge:
         judgement = Judgement(sample=sample, audit=audit, feedback=feedback)
         if feedback is not None and feedback.entries:
             audit["feedback"] = feedback.audit()
-        if not turn.response_ids:
+        if turn.probe:
+            # A probe (the chart's `helm test` hook): it checks that turns are recorded; its
+            # reply is no user's, and a reward_fn that scores the reply alone would train it.
+            set_mask(sample, MaskReason.MASK_REASON_PROBE)
+        elif not turn.response_ids:
             set_mask(sample, MaskReason.MASK_REASON_EMPTY_RESPONSE)
         elif turn.unknown_weights:
             # Served by weights of no known version (a restarted engine's base model): trained
