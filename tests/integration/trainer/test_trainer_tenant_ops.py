@@ -2,7 +2,8 @@
 announces again each tenant's version whose announcement was lost; `clawrl-trainer tenants
 export T --out DIR` writes T's newest version as a PEFT adapter directory; `clawrl-trainer
 tenants reset T` drops T's adapter (issue 30: its slot freed, its served record deleted, its
-version floor past every version it had; applied once even across a restart)."""
+version floor past every version it had, the release announced for the launcher to unroute T;
+applied once even across a restart, which announces no version below the floor again)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from clawrl.common.served import read_served_tenants, write_served_tenant
 from clawrl.common.tenants import tenant_versions_stream
+from clawrl.common.versions import TenantReleased, tenant_entry
 from clawrl.trainer.main import main
 from tests.conftest import wait_until
 
@@ -108,9 +110,19 @@ async def test_resume_reannounces_and_reset_and_export_work(
     assert trainer.state.tenant_floors["alice"] == 3
     assert await read_served_tenants(redis, served_key) == {}
     assert (await announced(redis, stream))[-1] == ("alice", 2, "tenant-alice-v2")
+    # The release is announced beside her versions: the launcher unroutes her from the running
+    # gateways and never syncs a version below the floor.
+    [(release_id, last)] = await redis.xrevrange(stream, count=1)
+    released = tenant_entry(last)
+    assert isinstance(released, TenantReleased)
+    assert (released.tenant, released.floor, released.action) == ("alice", 3, "reset")
     assert counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="reset") == 1
-    # Applied once: the durable state records the request and the floor; a restart keeps both.
+    # Applied once: the durable state records the request and the floor; a restart keeps both,
+    # and does not announce again a version below the floor (her v2's announcement lost).
+    [(v2_id, _)] = [(i, f) for i, f in await redis.xrange(stream) if i != release_id][-1:]
+    await redis.xdel(stream, v2_id)
     trainer = await start_trainer(settings, redis)
+    assert await announced(redis, stream) == [("alice", 1, "tenant-alice-v1")]
     await trainer.apply_resets()
     assert trainer.state.tenant_floors == {"alice": 3}
     assert counter(trainer, "clawrl_trainer_tenant_resets_total", outcome="reset") == 0

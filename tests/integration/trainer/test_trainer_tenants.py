@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from clawrl.common.tenants import tenant_versions_stream
-from clawrl.common.versions import VersionReady
+from clawrl.common.versions import VersionReady, tenant_entry
 from clawrl.trainer.main import main
 from clawrl.trainer.tenants import tenant_rows
 
@@ -41,8 +41,9 @@ async def tenant_step(trainer):
 
 
 async def announced(client: Redis, stream: str) -> list[tuple[str, int, str]]:
-    entries = [VersionReady.from_fields(fields) for _, fields in await client.xrange(stream)]
-    return [(r.tenant, r.version, r.adapter) for r in entries]
+    """The versions announced on the tenants' stream (its releases left out)."""
+    entries = [tenant_entry(fields) for _, fields in await client.xrange(stream)]
+    return [(r.tenant, r.version, r.adapter) for r in entries if isinstance(r, VersionReady)]
 
 
 async def test_each_tenant_trains_its_own_adapter_in_turn(

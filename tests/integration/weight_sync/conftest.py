@@ -189,3 +189,23 @@ def run_sync(env, replicas, engines, *args: str, timeout: float = 120):
         text=True,
         timeout=timeout,
     )
+
+
+def start_launcher(env, replicas, engines, reconcile_interval_s: float = 0.5) -> subprocess.Popen:
+    """`clawrl-weight-sync watch` over the replicas, a process of its own; its log on stderr."""
+    interval = {"CLAWRL_LAUNCHER__RECONCILE_INTERVAL_S": str(reconcile_interval_s)}
+    return subprocess.Popen(
+        sync_argv(replicas, engines, "watch"),
+        env={**os.environ, **env, **interval},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop_launcher(launcher: subprocess.Popen) -> str:
+    """Stop it; its log (the tail also printed, for a failing test's report)."""
+    launcher.terminate()
+    _, stderr = launcher.communicate(timeout=30)
+    print(stderr[-3000:], file=sys.stderr)
+    return stderr

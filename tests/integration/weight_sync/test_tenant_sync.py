@@ -8,10 +8,7 @@ served adapter."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,7 +23,7 @@ from clawrl.common.tenants import tenant_versions_stream
 from clawrl.common.versions import VersionReady
 from tests.conftest import wait_until
 
-from .conftest import MODEL, start_replicas
+from .conftest import MODEL, start_launcher, start_replicas, stop_launcher
 from .test_lora_sync import LORA_FLAGS, loaded, tiny_adapter
 from .test_weight_sync_job import results, run_sync
 
@@ -214,12 +211,7 @@ def test_the_launcher_follows_the_tenants_stream_and_restarts_get_tenants_back(
         version = int(name.rsplit("-v", 1)[1])
         ready = VersionReady(version, str(adapters[name]), version, time.time(), name, "dave")
         client.xadd(stream, ready.fields())
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "clawrl.trainer.weight_sync.main", "--gateways",
-         ",".join(g.control for g in gateways), "--engines", lora_engine, "watch"],
-        env={**os.environ, **env, "CLAWRL_LAUNCHER__RECONCILE_INTERVAL_S": "0.5"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    launcher = start_launcher(env, gateways, [lora_engine])
     restarted = []
     try:
         synced = env["CLAWRL_SYNC__RESULTS_STREAM"]
@@ -241,9 +233,7 @@ def test_the_launcher_follows_the_tenants_stream_and_restarts_get_tenants_back(
         assert restarted[0].chat("hi").status_code == 200
         assert ask(restarted[0], "dave").json()["system_fingerprint"] == "clawrl-policy-v2"
     finally:
-        launcher.terminate()
-        _, stderr = launcher.communicate(timeout=30)
-        print(stderr[-3000:], file=sys.stderr)
+        stderr = stop_launcher(launcher)
         for replica in restarted:
             replica.child.stop()
     assert "lacked the served adapter tenant-dave-v2 (restarted?)" in stderr

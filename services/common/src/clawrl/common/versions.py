@@ -2,7 +2,9 @@
 the weight-sync job consumes the announcements and loads the newest into the policy engines.
 
 An announcement is a stream entry `{version, path, step, created_at}`; the stream is the
-contract between the two, so both sides build and read entries here.
+contract between the two, so both sides build and read entries here. The tenants' stream
+(per-tenant mode) also carries each tenant's release (`TenantReleased`: its adapter was reset or
+removed), in order with its versions.
 """
 
 from __future__ import annotations
@@ -60,8 +62,50 @@ class VersionReady:
             raise ValueError(f"malformed version announcement {values!r}: {exc}") from exc
 
 
-async def announce(redis: Redis, stream: str, ready: VersionReady, maxlen: int = 1000) -> str:
-    """XADD the announcement; returns the entry id."""
+@dataclass(frozen=True)
+class TenantReleased:
+    """An entry of the tenants' versions stream beside the versions: the trainer dropped
+    `tenant`'s adapter (`clawrl-trainer tenants reset|remove`, `action`). None of its versions
+    below `floor` may serve it again: the launcher unroutes it from the running gateways (they
+    serve it the shared policy) and never syncs those versions, announced before or not."""
+
+    tenant: str
+    floor: int  # the first version of its next adapter
+    action: str = "reset"  # reset | remove
+    created_at: float = 0.0
+
+    def fields(self) -> dict[str, str]:
+        return {
+            "tenant": self.tenant,
+            "released": self.action,
+            "floor": str(self.floor),
+            "created_at": repr(self.created_at),
+        }
+
+
+def tenant_entry(fields: dict[bytes | str, bytes | str]) -> VersionReady | TenantReleased:
+    """Parse an entry of the tenants' versions stream: a version, or a release (it has
+    `released`); ValueError when malformed."""
+    values = text_fields(fields)
+    if "released" not in values:
+        return VersionReady.from_fields(fields)
+    try:
+        if not values.get("tenant"):
+            raise KeyError("tenant")
+        return TenantReleased(
+            tenant=values["tenant"],
+            floor=int(values["floor"]),
+            action=values["released"],
+            created_at=float(values.get("created_at", "0")),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"malformed tenant release {values!r}: {exc}") from exc
+
+
+async def announce(
+    redis: Redis, stream: str, ready: VersionReady | TenantReleased, maxlen: int = 1000
+) -> str:
+    """XADD the announcement (or a tenant's release); returns the entry id."""
     entry_id = await redis.xadd(stream, ready.fields(), maxlen=maxlen, approximate=True)
     return text(entry_id)
 
@@ -79,13 +123,13 @@ async def latest(redis: Redis, stream: str) -> VersionReady | None:
 
 async def newest_per_tenant(redis: Redis, stream: str) -> dict[str, int]:
     """The newest version announced for each tenant on the tenants' versions stream (its
-    length is capped, so it is read whole); malformed entries are skipped."""
+    length is capped, so it is read whole); releases and malformed entries are skipped."""
     newest: dict[str, int] = {}
     for _, entry in await redis.xrange(stream):
         try:
-            ready = VersionReady.from_fields(entry)
+            ready = tenant_entry(entry)
         except ValueError:
             continue
-        if ready.tenant:
+        if isinstance(ready, VersionReady) and ready.tenant:
             newest[ready.tenant] = max(newest.get(ready.tenant, 0), ready.version)
     return newest

@@ -5,6 +5,8 @@ LoRA versions need no pause: SwitchAdapter(v, adapter) only changes what the gat
 requests it admits from then on (the adapter they are generated with, the version their turns
 record). The engine never changes a running request's adapter, so a turn is never mixed; the
 gate counts requests in flight per adapter, so the job knows when an old one is idle.
+SwitchAdapter with a tenant and no adapter unroutes the tenant (its adapter was reset or removed,
+or it is no longer selected): its new requests are served the shared policy again.
 
 Pause semantics: from Pause on, new requests are held (not refused) before they reach the
 engine, while generations already running finish; Pause returns once they drained or the drain
@@ -115,6 +117,17 @@ class PauseGate:
             self.adapter = adapter
             self.set_policy_version(policy_version)
         self.metrics.adapter_switches.inc()
+
+    def unroute(self, tenant: str) -> tuple[int, str] | None:
+        """Admit `tenant`'s new work under the shared policy again, as any caller without an
+        adapter of its own; what it was routed to (None: nothing). Admitted work finishes on the
+        adapter it started with."""
+        previous = self.tenant_adapters.pop(tenant, None)
+        if previous is not None:
+            with contextlib.suppress(KeyError):  # its version is no longer served
+                self.metrics.tenant_policy_version.remove(tenant)
+        self.metrics.adapter_switches.inc()
+        return previous
 
     @contextlib.asynccontextmanager
     async def admit(self, tenant: str = "") -> AsyncIterator[Admission]:
@@ -325,9 +338,13 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
         return control_pb2.ResumeResponse(released=released, status=self.status())
 
     async def SwitchAdapter(self, request, context):
+        if request.tenant and not request.adapter:
+            return self._unroute(request.tenant)
         if request.policy_version <= 0 or not request.adapter:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "policy_version must be > 0 and adapter set"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "policy_version must be > 0 and adapter set (or, to unroute a tenant, tenant set "
+                "and adapter empty)",
             )
         previous = self.gate.tenant_adapters.get(
             request.tenant, (self.gate.policy_version, self.gate.adapter)
@@ -342,6 +359,16 @@ class ControlServicer(control_pb2_grpc.GatewayControlServicer):
             request.adapter,
             extra={"policy_version": request.policy_version},
         )
+        return control_pb2.SwitchAdapterResponse(status=self.status())
+
+    def _unroute(self, tenant: str) -> control_pb2.SwitchAdapterResponse:
+        previous = self.gate.unroute(tenant)
+        if previous is None:
+            log.info("tenant %s unrouted: it had no adapter of its own here", tenant)
+        else:
+            log.info("unrouted tenant %s from v%d (adapter %s): the shared policy serves it "
+                     "(v%d, %s)", tenant, previous[0], previous[1], self.gate.policy_version,
+                     self.gate.adapter or "full weights")  # fmt: skip
         return control_pb2.SwitchAdapterResponse(status=self.status())
 
     async def GetStatus(self, request, context):

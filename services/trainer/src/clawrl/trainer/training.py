@@ -18,7 +18,9 @@ tenant's newest version that its stream lacks. `clawrl-trainer tenants reset T` 
 T`) is applied before the next step, or within a read (consumer.block_ms) while no batch is ready
 (apply_resets): T's adapter is dropped and its slot freed, the samples waiting for it are
 dropped, its served record is deleted, and its version floor makes samples that its old versions
-served dropped as they come (all persisted with the state). After a reset T starts a new
+served dropped as they come (all persisted with the state); the release is announced on the
+tenants' versions stream, so that the launcher unroutes T from the running gateways (they serve
+it the shared policy) and never syncs its old versions. After a reset T starts a new
 adapter from the shared policy (its versions go on from the floor); after a remove it trains
 the shared policy until a reset.
 """
@@ -42,7 +44,14 @@ from clawrl.common.redis_text import text, text_fields
 from clawrl.common.served import delete_served_tenant
 from clawrl.common.streams import GroupConsumer
 from clawrl.common.tenants import SHARED, tenant_adapter, tenant_versions_stream
-from clawrl.common.versions import VersionReady, adapter_name, announce, latest, newest_per_tenant
+from clawrl.common.versions import (
+    TenantReleased,
+    VersionReady,
+    adapter_name,
+    announce,
+    latest,
+    newest_per_tenant,
+)
 from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState, is_adapter_dir
 from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
@@ -187,7 +196,9 @@ class Trainer:
         stream = tenant_versions_stream(self.settings.redis.versions_stream)
         announced = await newest_per_tenant(self.redis, stream)
         for tenant, version in sorted(self.state.tenant_versions.items()):
-            if version and announced.get(tenant, 0) < version:
+            # A version below the floor is of an adapter since reset: never announced again.
+            floor = self.state.tenant_floors.get(tenant, 1)
+            if version >= floor and announced.get(tenant, 0) < version:
                 path = self.store.policies / f"tenant-{tenant}" / f"v{version}"
                 await announce(self.redis, stream, self._tenant_ready(tenant, version, path))
                 log.info("announced tenant %s's version %d again (its announcement was lost)",
@@ -395,7 +406,7 @@ class Trainer:
                 log.warning("reset of tenant %s requested: it has no adapter of its own (it "
                             "trains the shared policy already)", tenant)  # fmt: skip
                 continue
-            await self._release(tenant)
+            await self._release(tenant, action)
             if action == "remove":
                 removed.add(tenant)
             else:
@@ -409,15 +420,20 @@ class Trainer:
                         self.state.tenant_floors[tenant] - 1)  # fmt: skip
         await self.commit()
 
-    async def _release(self, tenant: str) -> None:
-        """Drop `tenant`'s adapter (backend, slot, waiting samples, served record) and raise its
-        version floor past every version it exported."""
+    async def _release(self, tenant: str, action: str) -> None:
+        """Drop `tenant`'s adapter (backend, slot, waiting samples, served record), raise its
+        version floor past every version it exported, and announce the release."""
         await self.backend.call("remove_adapter", tenant)
         self.state.tenant_steps.pop(tenant, None)
-        self.state.tenant_floors[tenant] = self.state.tenant_versions.get(tenant, 0) + 1
+        floor = self.state.tenant_versions.get(tenant, 0) + 1
+        self.state.tenant_floors[tenant] = floor
         dropped = await self.intake.release_tenant(tenant)
         # Gateways that start, and the launcher, stop routing the tenant to its old adapter.
         await delete_served_tenant(self.redis, self.settings.sync.served_key, tenant)
+        # Running gateways too: the launcher unroutes it on each. Announced before the state
+        # commits: a crash before that applies the request again, with the same floor.
+        stream = tenant_versions_stream(self.settings.redis.versions_stream)
+        await announce(self.redis, stream, TenantReleased(tenant, floor, action, time.time()))
         if dropped:
             log.warning("dropped %d samples waiting for tenant %s's adapter", dropped, tenant)
 

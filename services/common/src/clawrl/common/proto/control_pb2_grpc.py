@@ -84,7 +84,8 @@ class GatewayControlServicer:
     def SwitchAdapter(self, request, context):
         """Serve a LoRA version from now on, with no pause: requests admitted after the call are
         generated with the adapter (SGLang's lora_path) and their turns carry policy_version;
-        requests already running finish on the adapter they started with.
+        requests already running finish on the adapter they started with. With `tenant` set and
+        `adapter` empty it unroutes that tenant: its new requests are served the shared policy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -69,6 +69,12 @@ def ours(name: str, tenant: str) -> bool:
     return POLICY_ADAPTER.fullmatch(name) is not None
 
 
+def _version(name: str) -> int:
+    """The version of a tenant adapter's name (0 for any other name)."""
+    parsed = parse_tenant_adapter(name)
+    return parsed[1] if parsed else 0
+
+
 @dataclass
 class AdapterSync:
     """The steps of one LoRA sync over already-connected replicas."""
@@ -130,7 +136,7 @@ class AdapterSync:
             result.outcome, result.reason = "failed", "; ".join(errors)
             return
         result.outcome = "ok"
-        await self._unload_old(ready.adapter, result, tenant)
+        await self.unload_old(ready.adapter, result, tenant)
 
     async def _all_switched(self, ready: VersionReady, tenant: str) -> bool:
         """Whether every gateway already routes to `ready`'s adapter (`tenant`'s requests, with
@@ -144,10 +150,13 @@ class AdapterSync:
             (s.policy_version, s.adapter) == (ready.version, ready.adapter) for s in statuses
         )
 
-    async def _unload_old(self, keep: str, result: SyncResult, tenant: str) -> None:
-        """Unload every policy adapter (with `tenant`: every adapter of that tenant) but `keep`
-        from every engine once no gateway has a request running on it (or routes to it); ones
-        still busy after the wait stay."""
+    async def unload_old(
+        self, keep: str, result: SyncResult, tenant: str, *, below: int | None = None
+    ) -> None:
+        """Unload every policy adapter (with `tenant`: every adapter of that tenant; with
+        `below` too, its versions below it: a release's) but `keep` from every engine once no
+        gateway has a request running on it (or routes to it); ones still busy after the wait
+        stay."""
         held, errors = await gather_answers([engine.adapters() for engine in self.engines])
         if errors:
             log.warning("old adapters not unloaded: %s", "; ".join(errors))
@@ -156,7 +165,7 @@ class AdapterSync:
             (engine, name)
             for engine, names in zip(self.engines, held, strict=True)
             for name in names
-            if name != keep and ours(name, tenant)
+            if name != keep and ours(name, tenant) and (below is None or _version(name) < below)
         }
         deadline = time.monotonic() + self.settings.sync.unload_wait_s
         while old:

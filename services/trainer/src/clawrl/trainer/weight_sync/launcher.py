@@ -14,7 +14,10 @@ gateway that a dead sync left behind or that joined since).
 Per-tenant mode: the tenants' versions (`{versions_stream}:tenants`, adapters `tenant-T-vN`)
 are followed the same way, one newest-wins sequence per tenant; syncs still run one at a time,
 the announcement that waited longest first, so tenants take turns with each other and with the
-shared policy. A tenant whose served adapter a gateway does not route to is synced again.
+shared policy. A tenant whose served adapter a gateway does not route to is synced again. A
+tenant's release on that stream (`clawrl-trainer tenants reset|remove`) unroutes it from every
+gateway before anything else runs, and none of its versions below the release's floor is synced
+again (unroute.py).
 
 Each sync is a child process locally (`make run`) or a Kubernetes Job on a cluster
 (kube.py); both run `clawrl-weight-sync run`, which publishes its result on the results stream,
@@ -40,12 +43,13 @@ from redis.asyncio import Redis
 
 from clawrl.common.served import read_served, read_served_tenants, tenants_key
 from clawrl.common.tenants import tenant_versions_stream
-from clawrl.common.versions import VersionReady
+from clawrl.common.versions import TenantReleased, VersionReady, tenant_entry
 from clawrl.trainer.weight_sync.job import SyncResult, adapter_tenant
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from clawrl.trainer.weight_sync.reconcile import divergence, reconcile_forever, tenant_divergence
 from clawrl.trainer.weight_sync.replicas import continue_every_engine
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
+from clawrl.trainer.weight_sync.unroute import Unrouter
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,9 @@ class SyncWatcher:
         # Newest announcement not synced yet, per tenant ("": the shared policy), in the order
         # they started waiting: tenants take turns, and a busy one cannot starve the others.
         self.pending: dict[str, VersionReady] = {}
+        # Tenants released (adapter reset or removed) whose gateways are to unroute them next.
+        self.releases: dict[str, TenantReleased] = {}
+        self.unrouter = Unrouter(settings, redis, metrics)
         self.per_tenant = settings.tenants.per_tenant
         self._tenants_stream = tenant_versions_stream(settings.redis.versions_stream)
         self._read_ids = {settings.redis.versions_stream: "0-0"}
@@ -174,11 +181,15 @@ class SyncWatcher:
         await self.start()
         # Beside the syncs: engines that restarted get the served LoRA adapters back.
         reconciler = asyncio.create_task(
-            reconcile_forever(self.settings, self.redis, self.metrics), name="reconcile"
+            reconcile_forever(self.settings, self.redis, self.metrics, self.unrouter.released),
+            name="reconcile",
         )
         try:
             while True:
-                await self._read_announcements(block=not self.pending)
+                await self._read_announcements(block=not self.pending and not self.releases)
+                if self.releases:  # before any sync: a newer adapter of the tenant comes after
+                    await self._unroute(self.releases.pop(next(iter(self.releases))))
+                    continue
                 ready = self._next_pending()
                 if ready is not None:
                     await self._sync(ready)
@@ -191,11 +202,15 @@ class SyncWatcher:
                 await reconciler
 
     def _done(self, tenant: str) -> int:
-        """The newest version of `tenant` ("": shared) served or given up: older ones are
-        never synced from an announcement."""
+        """The newest version of `tenant` ("": shared) served, given up or released: older
+        ones are never synced from an announcement."""
         if not tenant:
             return max(self.served, self.given_up)
-        return max(self.tenant_served.get(tenant, 0), self.tenant_given_up.get(tenant, 0))
+        return max(
+            self.tenant_served.get(tenant, 0),
+            self.tenant_given_up.get(tenant, 0),
+            self.unrouter.floors.get(tenant, 1) - 1,
+        )
 
     def _next_pending(self) -> VersionReady | None:
         """The announcement that waited longest among those newer than what is served (the
@@ -235,12 +250,14 @@ class SyncWatcher:
             )
         if not self.per_tenant:
             return again
-        tenants = {  # a tenant taken out of allow/pattern is not routed to its adapter again
+        # A tenant taken out of allow/pattern, or released, is not routed to its adapter again.
+        await self.unrouter.unroute()
+        tenants = {
             tenant: mine
             for tenant, mine in (
                 await read_served_tenants(self.redis, self.settings.sync.served_key)
             ).items()
-            if self.settings.tenants.owns_adapter(tenant)
+            if not self.unrouter.stray(tenant, mine.adapter)
         }
         for tenant in await tenant_divergence(self.settings, tenants):
             mine = tenants[tenant]
@@ -306,6 +323,31 @@ class SyncWatcher:
         else:
             self.given_up = ready.version
 
+    async def _unroute(self, released: TenantReleased) -> None:
+        """Unroute a released tenant from every gateway, retried like a sync; then unload its
+        released adapters. Given up, the convergence check tries again."""
+        tenant = released.tenant
+        for attempt in range(1, self.settings.launcher.max_attempts + 1):
+            log.info("unrouting tenant %s (%s, its versions below %d released; attempt %d)",
+                     tenant, released.action, released.floor, attempt)  # fmt: skip
+            if await self.unrouter.unroute(tenant):
+                await self.unrouter.unload(tenant)
+                return
+            if attempt < self.settings.launcher.max_attempts:
+                await asyncio.sleep(self.settings.launcher.retry_backoff_s)
+        log.error("giving up unrouting tenant %s after %d attempts; the convergence check tries "
+                  "again", tenant, self.settings.launcher.max_attempts)  # fmt: skip
+
+    def _release(self, released: TenantReleased) -> None:
+        """Read a release: the tenant's versions below its floor are never synced (one waiting
+        is dropped), and the gateways are to unroute it."""
+        tenant, floor = released.tenant, released.floor
+        self.unrouter.floors[tenant] = max(self.unrouter.floors.get(tenant, 1), floor)
+        waiting = self.pending.get(tenant)
+        if waiting is not None and waiting.version < floor:
+            del self.pending[tenant]
+        self.releases[tenant] = released
+
     def _newer_pending(self, ready: VersionReady) -> bool:
         waiting = self.pending.get(ready.tenant)
         return waiting is not None and waiting.version > ready.version
@@ -328,14 +370,21 @@ class SyncWatcher:
             for entry_id, fields in entries:
                 self._read_ids[name] = entry_id
                 try:
-                    ready = VersionReady.from_fields(fields)
-                    tenant = adapter_tenant(ready) if name == self._tenants_stream else ""
-                    if name == self._tenants_stream and not tenant:
-                        raise ValueError("an announcement on the tenants' stream names no tenant")
+                    if name == self._tenants_stream:
+                        entry = tenant_entry(fields)
+                        if isinstance(entry, TenantReleased):
+                            self._release(entry)
+                            continue
+                        tenant = adapter_tenant(entry)
+                        if not tenant:
+                            raise ValueError("an announcement on the tenants' stream names no "
+                                             "tenant")  # fmt: skip
+                    else:
+                        entry, tenant = VersionReady.from_fields(fields), ""
                 except ValueError as exc:
                     log.error("skipping announcement %s on %s: %s", entry_id, name, exc)
                     continue
-                ready = replace(ready, tenant=tenant)
+                ready = replace(entry, tenant=tenant)
                 waiting = self.pending.get(tenant)
                 if waiting is None or ready.version > waiting.version:
                     self.pending[tenant] = ready

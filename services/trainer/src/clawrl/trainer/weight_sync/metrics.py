@@ -101,13 +101,14 @@ class WeightSyncMetrics:
         )
         self.adapters_unloaded = Counter(
             "clawrl_weight_sync_adapters_unloaded_total",
-            "Old LoRA adapters unloaded from engines after a switch.",
+            "Old LoRA adapters unloaded from engines after a switch, or after a tenant's "
+            "release (its adapter reset or removed).",
             registry=r,
         )
         self.adapters_kept = Counter(
             "clawrl_weight_sync_adapters_kept_total",
-            "Old LoRA adapters left loaded after a switch: still in use when the wait ended, "
-            "or their unload failed.",
+            "Old LoRA adapters left loaded after a switch or a tenant's release: still in use "
+            "when the wait ended, or their unload failed.",
             registry=r,
         )
         self.adapter_reloads = Counter(
@@ -133,6 +134,14 @@ class WeightSyncMetrics:
             "Per-tenant mode: the adapter version the last successful sync of a tenant put into "
             "service.",
             ["tenant"],
+            registry=r,
+        )
+        self.tenant_unroutes = Counter(
+            "clawrl_weight_sync_tenant_unroutes_total",
+            "Per-tenant mode: gateways told to serve a tenant the shared policy again (its "
+            "adapter reset or removed, or the tenant taken out of allow/pattern), by tenant and "
+            "outcome (ok; failed: the gateway refused or did not answer, tried again).",
+            ["tenant", "outcome"],
             registry=r,
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -30,8 +31,15 @@ from clawrl.trainer.weight_sync.settings import WeightSyncSettings
 log = logging.getLogger(__name__)
 
 
+# Whether a version of a tenant's adapter was released (reset or removed since): not served.
+Released = Callable[[str, int], bool]
+
+
 async def reconcile_adapters(
-    settings: WeightSyncSettings, redis: Redis, metrics: WeightSyncMetrics
+    settings: WeightSyncSettings,
+    redis: Redis,
+    metrics: WeightSyncMetrics,
+    released: Released | None = None,
 ) -> int:
     """One pass; how many engines got the served adapter back."""
     if await redis.exists(settings.sync.lock_key):
@@ -47,7 +55,10 @@ async def reconcile_adapters(
         wanted = [
             (t.adapter, t.path)
             for tenant, t in (await read_served_tenants(redis, settings.sync.served_key)).items()
-            if settings.tenants.owns_adapter(tenant)  # a de-selected tenant's is not served
+            # A de-selected tenant's is not served, nor a released one (a record a sync that
+            # raced the release wrote back, until the launcher deletes it).
+            if settings.tenants.owns_adapter(tenant)
+            and not (released is not None and released(tenant, t.version))
         ]
     if served is not None and served.adapter:
         wanted.insert(0, (served.adapter, served.path))
@@ -98,11 +109,14 @@ async def ensure_adapters(
 
 
 async def reconcile_forever(
-    settings: WeightSyncSettings, redis: Redis, metrics: WeightSyncMetrics
+    settings: WeightSyncSettings,
+    redis: Redis,
+    metrics: WeightSyncMetrics,
+    released: Released | None = None,
 ) -> None:
     while True:
         try:
-            await reconcile_adapters(settings, redis, metrics)
+            await reconcile_adapters(settings, redis, metrics, released)
         except RedisError as exc:  # Redis down a moment: try again on the next pass
             metrics.adapter_reloads.labels(outcome="failed").inc()
             log.error("adapter reconciliation failed: %s", exc)

@@ -108,6 +108,12 @@ class Gateway:
         )
         return (await self._call("SwitchAdapter", request)).status
 
+    async def unroute(self, tenant: str) -> control_pb2.GatewayStatus:
+        """Serve `tenant`'s new requests the shared policy again (SwitchAdapter with the tenant
+        and no adapter); the gateway's status after it."""
+        request = control_pb2.SwitchAdapterRequest(tenant=tenant)
+        return (await self._call("SwitchAdapter", request)).status
+
     async def status(self) -> control_pb2.GatewayStatus:
         return await self._call("GetStatus", control_pb2.GetStatusRequest())
 
