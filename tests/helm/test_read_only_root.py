@@ -207,12 +207,16 @@ def test_a_ray_head_runs_a_task_with_a_read_only_root() -> None:
         f"{ray} start --head --num-cpus=1 --disable-usage-stats >/dev/null || exit 90; "
         f'{sys.executable} -c "{driver}"; rc=$?; {ray} stop --force >/dev/null 2>&1; exit $rc'
     )
+    # Not this process's RAY_* settings: a ray.init() earlier in the test session sets
+    # RAY_AUTH_MODE=token in os.environ, and the head would then look for a token that the
+    # sandbox does not hold (the container gets only what the chart gives it).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     result = subprocess.run(
         read_only(["sh", "-c", script], dirs),
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **env},
+        env={**inherited, **env},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "42"
