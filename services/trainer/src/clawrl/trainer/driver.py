@@ -51,7 +51,9 @@ class ActorGroup:
         result_refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
         try:
             results = await asyncio.gather(*result_refs)
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
+            # Ray's memory monitor kills the actor's process (OutOfMemoryError, not an actor
+            # error): the actor is as dead, and every later call fails the same way.
             raise BackendLost(f"backend actor died during {method}: {exc}") from exc
         return results[0]
 
