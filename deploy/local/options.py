@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--reward-fn",
         help="rl mode with this reward plug-in (module:function), e.g. "
-        "clawrl.judge.reward_examples:stated_preference for `clawrl simulate`; unset: the "
+        "clawrl.judge.reward_examples:remark_sentiment for `clawrl simulate`; unset: the "
         "judge's mode and reward from clawrl.toml ([judging])",
     )
     parser.add_argument(
