@@ -84,6 +84,8 @@ def reward_trend(rewards: list[tuple[int, float]]) -> str:
 
 def learned(run: Run) -> str:
     """yes / no by the held-out gain (v0 -> final >= LEARNS_BY); no says what was counted."""
+    if run.versions == 0:  # the trainer never stepped: why is in what the judge counted
+        return "no (no version past v0: no trainable signal)"
     if len(run.held_out) < 2 or run.held_out[0][0] != 0:
         return "- (no held-out score past v0)"
     gain = run.held_out[-1][1] - run.held_out[0][1]

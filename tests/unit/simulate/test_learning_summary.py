@@ -108,3 +108,17 @@ def test_bench_learning_reads_what_the_judge_and_trainer_counted() -> None:
         "masked no_hint 9; steps 4; batches skipped 2"
     )
     assert signal_counts({}, {}) == "steps 0"
+
+
+def test_a_run_that_never_stepped_is_said_not_to_learn(tmp_path, capsys) -> None:
+    settings = "rl,0,varied,judge,PRM votes valid 0/15; steps 0"
+    (tmp_path / "learning-rl-prm-seed0.csv").write_text(
+        "policy_version,turns,liked,samples,reward_mean,held_out_score,held_out_base_nll,"
+        f"method,seed,remarks,reward_fn,signal\n0,132,0.5000,25,0.0000,0.1250,0.6400,{settings}\n"
+    )
+    main(["--docs", str(tmp_path), "--plot", str(tmp_path / "methods.png")])
+    row = [c.strip() for c in capsys.readouterr().out.splitlines()[2].strip("|").split("|")]
+    assert row[6] == "0" and row[10:] == [
+        "no (no version past v0: no trainable signal)",
+        "PRM votes valid 0/15; steps 0",
+    ]
