@@ -14,7 +14,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from clawrl.common.feedback import session_of
+from clawrl.common.records import session_of
 from clawrl.common.shards import Shards
 from tests.conftest import VENV_BIN, ChildProcess, free_port, wait_until
 from tests.integration.gateway.helpers import GatewayHandle

@@ -93,7 +93,8 @@ def test_what_the_store_script_touches_is_in_the_shard_of_the_turns_session() ->
     from redis.asyncio import Redis
     from redis.crc import key_slot
 
-    from clawrl.common.feedback import FeedbackSettings, session_of
+    from clawrl.common.feedback import FeedbackSettings
+    from clawrl.common.records import session_of
     from clawrl.common.shards import Shards
     from clawrl.gateway.feedback import FeedbackService
     from clawrl.gateway.metrics import GatewayMetrics

@@ -79,11 +79,6 @@ def feedback_key(prefix: str, turn_id: str) -> str:
     return f"{prefix}:{turn_id}"
 
 
-def session_of(turn_id: str) -> str:
-    """The session id of a turn id (`{session_id}:{epoch}:{index}`; a session id may hold ':')."""
-    return turn_id.rsplit(":", 2)[0]
-
-
 def judged_marker(judge_prefix: str, turn_id: str) -> str:
     """The judge's "sample published" marker of a turn (JudgeStore.done_key)."""
     return f"{judge_prefix}:done:{turn_id}"

@@ -27,6 +27,11 @@ def turn_id(session_id: str, epoch: str, turn_index: int) -> str:
     return f"{session_id}:{epoch}:{turn_index}"
 
 
+def session_of(turn_id: str) -> str:
+    """The client's session id of a turn id (a session id may hold ':')."""
+    return turn_id.rsplit(":", 2)[0]
+
+
 def session_state_of(turn_id: str) -> str:
     """The session state a turn (or its sample) belongs to, `{session_id}:{epoch}`: what
     per-session bookkeeping keys on. Not the client's session id, which callers may share

@@ -39,7 +39,6 @@ from clawrl.common.feedback import (
     content_id,
     feedback_key,
     judged_marker,
-    session_of,
 )
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
 from clawrl.gateway.metrics import GatewayMetrics
@@ -302,7 +301,7 @@ class FeedbackService:
         """The store script's keys: all in the shard of the turn's session (common/shards.py),
         where the judge keeps its done marker and audit stream for the turn."""
         s, shards = self.settings, self.sessions.shards
-        shard = shards.of(session_of(turn_id))
+        shard = shards.of(records.session_of(turn_id))
         return [
             feedback_key(shards.name(s.key_prefix, shard), turn_id),
             judged_marker(shards.name(s.judge_key_prefix, shard), turn_id),
