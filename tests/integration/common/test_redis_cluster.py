@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from clawrl.common.records import Sample, decode_entry
-from clawrl.common.redis_client import run_script
+from clawrl.common.redis_client import Script, run_script
 from clawrl.judge.service import build_store, running
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
@@ -140,7 +140,7 @@ async def test_many_script_calls_run_in_one_pipeline_per_node(cluster) -> None:
     once, not twice."""
     redis = RedisCluster.from_url(cluster.url)
     try:
-        script = redis.register_script("return redis.call('INCR', KEYS[1])")
+        script = Script(redis, "return redis.call('INCR', KEYS[1])")
         tag = uuid.uuid4().hex[:6]
         keys = [f"{tag}:{{s{k % 3}}}:n{k}" for k in range(30)]
         assert await run_script(redis, script, [([key], []) for key in keys]) == [1] * 30
@@ -149,6 +149,29 @@ async def test_many_script_calls_run_in_one_pipeline_per_node(cluster) -> None:
         await redis.execute_command("SCRIPT FLUSH", target_nodes=node)
         assert await redis.execute_command("SCRIPT EXISTS", script.sha, target_nodes=node) == [0]
         assert await run_script(redis, script, [([key], []) for key in keys]) == [2] * 30
+    finally:
+        await redis.aclose()
+
+
+async def test_a_script_runs_on_a_node_that_does_not_know_it(cluster) -> None:
+    """A node that never loaded the services' scripts (restarted; a replica promoted by a
+    failover) is sent the source, once: later calls run by SHA there. The failover itself is
+    test_redis_cluster_failover's (with redis-py 7's own reload, every record call after it
+    failed with NOSCRIPT and the gateway's spool never drained)."""
+    redis = RedisCluster.from_url(cluster.url)
+    try:
+        script = Script(redis, "return redis.call('INCRBY', KEYS[1], ARGV[1])")
+        await redis.initialize()
+        keys = [f"{uuid.uuid4().hex[:6]}:{{s{k}}}:n" for k in range(3)]  # one per node
+        for node in {redis.get_node_from_key(key).name: redis.get_node_from_key(key)
+                     for key in keys}.values():  # fmt: skip
+            await redis.execute_command("SCRIPT FLUSH", target_nodes=node)
+        assert [await script([key], [2]) for key in keys] == [2, 2, 2]
+        assert [await script([key], [3]) for key in keys] == [5, 5, 5]  # by its SHA now
+        for key in keys:
+            node = redis.get_node_from_key(key)
+            assert await redis.execute_command("SCRIPT EXISTS", script.sha,
+                                               target_nodes=node) == [1]  # fmt: skip
     finally:
         await redis.aclose()
 

@@ -1,15 +1,15 @@
 """The one way every service connects to Redis: one server (`redis.asyncio.Redis`) or, with
 `[redis] cluster = true`, a Redis Cluster (`redis.asyncio.RedisCluster`, seeded by the URL's node),
-with the same options; and running many calls of one script in one pipeline on either."""
+with the same options; the Lua scripts the services run, alone or many calls in one pipeline."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from clawrl.common.settings import RedisSettings
@@ -26,21 +26,33 @@ def is_cluster(redis: Any) -> bool:
     return isinstance(redis, RedisCluster)
 
 
+class Script:
+    """A Lua script, run by its SHA1. A node that does not know it (its first use there; a node
+    restarted, or a replica promoted by a failover) answers NOSCRIPT without running it, and is
+    sent the source (EVAL), which runs it and caches it on that very node. redis-py's own reload
+    (SCRIPT LOAD) goes to a node of the client's choosing: redis-py 7's cluster client loads it
+    elsewhere than a promoted replica, and every call after the failover failed with NOSCRIPT."""
+
+    def __init__(self, redis: Redis, source: str) -> None:
+        self.redis = redis
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.redis.eval(self.source, len(keys), *keys, *args)
+
+
 async def run_script(
-    redis: Redis, script: AsyncScript, calls: Sequence[tuple[list, list]]
+    redis: Redis, script: Script, calls: Sequence[tuple[list, list]]
 ) -> list[Any]:
     """`script` once per `(keys, args)`, results in order, in one pipeline (one round trip per
-    node, each node's calls run in order). redis-py refuses `evalsha` in a cluster pipeline, as a
-    node that does not know the script would answer NOSCRIPT: its calls are sent as plain
-    EVALSHA commands, and any call a node refused so (it never ran) is run again on its own,
-    which loads the script."""
+    node, each node's calls run in order). A call a node refused with NOSCRIPT (it never ran)
+    is run again on its own, which gives that node the script."""
     if not calls:
         return []
-    if not is_cluster(redis):
-        async with redis.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return await pipe.execute()
     async with redis.pipeline(transaction=False) as pipe:
         for keys, args in calls:
             pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from clawrl.common.redis_client import Script
 from clawrl.gateway.errors import StoreUnavailable
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.recording import RECORDING_ERRORS
@@ -60,7 +61,7 @@ class ConversationStore:
         self.metrics = metrics
         self.prefix = prefix
         self.ttl_s = ttl_s
-        self._append = redis.register_script(APPEND)
+        self._append = Script(redis, APPEND)
 
     def key(self, response_id: str) -> str:
         return f"{self.prefix}:resp:{response_id}"

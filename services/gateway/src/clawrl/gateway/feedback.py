@@ -40,6 +40,7 @@ from clawrl.common.feedback import (
     feedback_key,
     judged_marker,
 )
+from clawrl.common.redis_client import Script
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import (
@@ -226,7 +227,7 @@ class FeedbackService:
         self.sessions = sessions
         self.settings = settings
         self.metrics = metrics
-        self._store = redis.register_script(STORE)
+        self._store = Script(redis, STORE)
 
     async def handle(self, body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
         """One POST /v1/feedback (already authorised): the response body."""

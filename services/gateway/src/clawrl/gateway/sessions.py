@@ -61,6 +61,7 @@ import orjson
 from redis.asyncio import Redis
 
 from clawrl.common.records import Turn
+from clawrl.common.redis_client import Script
 from clawrl.common.shards import Shards
 
 TURN_TYPE = Turn.DESCRIPTOR.full_name
@@ -210,7 +211,7 @@ class SessionStore:
         self.feedback_ttl_s = feedback_ttl_s  # 0: no feedback index
         self.active_keys = [f"{p}:active" for p in self.prefixes]
         self.active_key = self.active_keys[0]
-        self._scripts = {name: redis.register_script(load_script(name)) for name in SCRIPTS}
+        self._scripts = {name: Script(redis, load_script(name)) for name in SCRIPTS}
 
     def session_key(self, session_id: str, scope: str) -> str:
         """The state of caller `scope`'s session `session_id`."""

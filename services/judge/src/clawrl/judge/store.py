@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from clawrl.common.feedback import feedback_key, judged_marker
 from clawrl.common.records import encode_entry, session_state_of
-from clawrl.common.redis_client import run_script
+from clawrl.common.redis_client import Script, run_script
 from clawrl.common.redis_text import text
 from clawrl.judge.core import Judgement, promote
 from clawrl.judge.feedback import TurnFeedback, read_feedback
@@ -107,7 +107,7 @@ class JudgeStore:
         self.redis = redis
         self.config = config
         self.metrics = metrics
-        self._commit = redis.register_script(COMMIT)
+        self._commit = Script(redis, COMMIT)
 
     def done_key(self, turn_id: str) -> str:
         return judged_marker(self.config.prefix, turn_id)
