@@ -8,12 +8,16 @@ import torch.nn.functional as F
 
 from clawrl.common.models import resolve_model_dir, stretch_config
 from clawrl.common.settings import ModelSettings
+from clawrl.engine.cpu.attention import (
+    FLASH_OP,
+    chunk_attention,
+    is_shifted_causal,
+    verified_flash_attention,
+)
 from clawrl.engine.cpu.runner import (
     CheckpointError,
     KvBatch,
     ModelRunner,
-    chunk_attention,
-    is_shifted_causal,
     layer_kv,
     merge_kv,
     select_kv,
@@ -194,7 +198,7 @@ def test_a_chunk_after_cached_tokens_attends_without_repeating_the_kv_or_a_mask(
     block: ~20% slower at 4k tokens), and the numbers are those of one pass."""
     import transformers.integrations.sdpa_attention as sdpa
 
-    import clawrl.engine.cpu.runner as runner_module
+    import clawrl.engine.cpu.attention as attention_module
 
     assert runner.config.num_attention_heads > runner.config.num_key_value_heads
     prompt = list(range(300, 380))
@@ -208,11 +212,56 @@ def test_a_chunk_after_cached_tokens_attends_without_repeating_the_kv_or_a_mask(
         return fail
 
     monkeypatch.setattr(sdpa, "repeat_kv", refuse("repeat_kv copied the KV"))
-    monkeypatch.setattr(runner_module, "sdpa_attention_forward", refuse("a masked SDPA pass"))
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", refuse("a masked SDPA pass"))
     monkeypatch.setattr(F, "scaled_dot_product_attention", refuse("a masked SDPA pass"))
     rest = runner.extend(first.cache, 30, prompt[30:])
     assert torch.allclose(rest.hidden, whole.hidden[30:], atol=1e-5)
     assert torch.allclose(rest.last_logits, whole.last_logits, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_without_the_private_flash_op_a_chunk_takes_masked_sdpa_with_the_same_numbers(
+    runner, monkeypatch
+):
+    """A torch whose private CPU flash op is missing or answers otherwise (it did not verify at
+    import) still prefills chunks after cached tokens: through public, masked SDPA."""
+    import clawrl.engine.cpu.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "_flash_attention", None)
+    masked = []
+    sdpa = attention_module.sdpa_attention_forward
+
+    def counted(*args, **kwargs):
+        masked.append(args[4] is not None)  # the attention mask
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", counted)
+    prompt = list(range(300, 380))
+    whole = runner.extend(None, 0, prompt)
+    first = runner.extend(None, 0, prompt[:30])
+    masked.clear()
+    rest = runner.extend(first.cache, 30, prompt[30:])
+    assert masked and all(masked)
+    assert torch.allclose(rest.hidden, whole.hidden[30:], atol=1e-5)
+    assert torch.allclose(rest.last_logits, whole.last_logits, atol=1e-5)
+
+
+def test_the_private_flash_op_is_used_only_when_it_agrees_with_public_sdpa():
+    real = getattr(torch.ops.aten, FLASH_OP)
+    assert verified_flash_attention(real) is real  # the pinned torch has a good one
+
+    def renamed(*_args, **_kwargs):
+        raise RuntimeError("unknown argument 'scale'")
+
+    def no_lse(query, key, value, is_causal=False, scale=None):
+        out, lse = real(query, key, value, is_causal=is_causal, scale=scale)
+        return out, torch.zeros_like(lse)
+
+    def ignores_causal(query, key, value, is_causal=False, scale=None):
+        return real(query, key, value, is_causal=False, scale=scale)
+
+    for broken in (None, renamed, no_lse, ignores_causal):
+        assert verified_flash_attention(broken) is None
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
