@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import tempfile
 from pathlib import Path
@@ -160,6 +161,13 @@ class ControlSettings(Section):
         description="When set, control calls must send metadata `authorization: Bearer <token>`"
         " (health and reflection stay open for probes).",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve GatewayControl without a token on an address other than loopback. "
+        "Off, the gateway refuses to start so: whoever reaches the port could pause serving or "
+        "re-route tenants. The chart sets it only where its NetworkPolicy admits the weight "
+        "sync alone.",
+    )
     drain_timeout_s: float = Field(
         60.0,
         gt=0,
@@ -190,6 +198,27 @@ class ControlSettings(Section):
         "route to (the sync's sync.served_key); read at start, so a restarted or added replica "
         "serves the current adapter.",
     )
+
+    @model_validator(mode="after")
+    def _guarded(self) -> ControlSettings:
+        if self.token is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"control.host {self.host!r} is not a loopback address and control.token is "
+                "unset: anyone who reaches the port could pause serving or re-route tenants. "
+                "Set control.token (the weight sync's gateways.token sends it), or "
+                "control.allow_unauthenticated = true where a network policy guards the port"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class GatewaySettings(ClawrlSettings):
