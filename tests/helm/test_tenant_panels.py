@@ -1,10 +1,11 @@
 """The learning dashboard's Tenants row against the series the services export in per-tenant
 mode. The live dashboard test runs the local stack in shared mode, where these panels are empty
 by design; here the services' own metrics code records two tenants' activity (a gateway
-admitting and switching through its real PauseGate, the trainer's per-step record, a tenant's
-sync, the engine's adapter slots), its exposition becomes Prometheus series labelled as a
-release's pods, and Prometheus's own engine (promtool test rules) evaluates every query of the
-row: each must return data, and picking one tenant must leave only that tenant's series."""
+admitting and switching through its real PauseGate, the trainer's per-step record and a reset,
+a tenant's sync and unroute, the engine's adapter slots), its exposition becomes Prometheus
+series labelled as a release's pods, and Prometheus's own engine (promtool test rules) evaluates
+every query of the row: each must return data, and picking one tenant must leave only that
+tenant's series."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ async def exported_series() -> list[dict]:
     trainer.record_tenant_step("", 8, {"reward_mean": 0.25, "staleness_mean": 0.0})
     trainer.tenant_version.labels("alice").set(2)
     trainer.tenant_overflow.inc(3)
+    trainer.tenant_resets.labels(outcome="reset").inc()
     sync = WeightSyncMetrics()
     sync.observe(SyncResult(version=2, outcome="ok", adapter="tenant-alice-v2", tenant="alice"))
+    sync.tenant_unroutes.labels(tenant="alice", outcome="ok").inc()
     engine = EngineMetrics("policy")
     engine.lora_resident.set(2)
     engine.lora_adapters.set(3)

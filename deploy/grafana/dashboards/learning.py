@@ -232,6 +232,24 @@ TENANTS = [
         "that tenant alone, no pause), by outcome.",
     ),
     Panel(
+        "Resets and unroutes per tenant",
+        "ops",
+        (
+            (
+                f"{rate('clawrl_trainer_tenant_resets_total', 'outcome')} or vector(0)",
+                "{{outcome}}",
+            ),
+            (
+                f"{rate('clawrl_weight_sync_tenant_unroutes_total', 'tenant, outcome', TENANT)}"
+                " or vector(0)",
+                "{{tenant}} unrouted ({{outcome}})",
+            ),
+        ),
+        "Adapters reset or removed (clawrl-trainer tenants reset|remove), and gateways told to "
+        "serve a tenant the shared policy again (its adapter released, or the tenant taken out "
+        "of allow/pattern). Steady failed unroutes: a gateway still serves a released adapter.",
+    ),
+    Panel(
         "Adapters on the engines",
         "short",
         (
