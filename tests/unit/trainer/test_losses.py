@@ -105,7 +105,7 @@ def test_combine_weighs_both_terms_and_drops_distillation_without_teacher() -> N
 
 
 def test_unknown_estimator_is_a_clear_error() -> None:
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "on_policy_distillation", "combine"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "on_policy_distillation", "combine", "step_wise"}
     with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
         compute_advantages(inputs(), AdvantageConfig(estimator="gae"))
 

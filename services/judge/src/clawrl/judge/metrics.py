@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
 AGREEMENT_BUCKETS = (0.0, 0.34, 0.5, 0.67, 0.75, 0.99, 1.0)
+# An episode's turn waits for the rest of the episode and its checker: seconds to many minutes.
+OUTCOME_WAIT_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
 class JudgeMetrics:
@@ -19,6 +21,7 @@ class JudgeMetrics:
         self._judging(self.registry)
         self._latency(self.registry)
         self._streams(self.registry)
+        self._episodes(self.registry)
 
     def _outcomes(self, r: CollectorRegistry) -> None:
         """What became of each turn: published, dead-lettered, retried, failed."""
@@ -169,5 +172,30 @@ class JudgeMetrics:
         self.redis_max_memory = Gauge(
             "clawrl_judge_redis_maxmemory_bytes",
             "Redis's maxmemory setting (0: no limit), read by the judge's housekeeping.",
+            registry=r,
+        )
+
+    def _episodes(self, r: CollectorRegistry) -> None:
+        """Episodes' turns waiting for, and merged with, their outcome (POST /v1/outcomes)."""
+        self.episode_turns = Counter(
+            "clawrl_judge_episode_turns_total",
+            "Turns of episodes (X-Episode: true) by result: merged (trained with (2 * outcome - "
+            "1) + prm_step_coef * step score), no_outcome (none in time: masked, "
+            "MASK_REASON_NO_OUTCOME), unused (episodes off on this judge, or opd mode: judged "
+            "like a chat turn).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("merged", "no_outcome", "unused"):
+            self.episode_turns.labels(result)
+        self.outcome_wait = Histogram(
+            "clawrl_judge_outcome_wait_seconds",
+            "How long an episode's turn waited for the outcome (until it came or expired).",
+            buckets=OUTCOME_WAIT_BUCKETS_S,
+            registry=r,
+        )
+        self.outcome_waiting = Gauge(
+            "clawrl_judge_outcome_waiting_turns",
+            "Turns of this process waiting for their episode's outcome now.",
             registry=r,
         )

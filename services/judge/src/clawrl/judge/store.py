@@ -24,9 +24,10 @@ from clawrl.common.feedback import feedback_key, judged_marker
 from clawrl.common.records import encode_entry, session_state_of
 from clawrl.common.redis_client import Script, run_script
 from clawrl.common.redis_text import text
-from clawrl.judge.core import Judgement, promote
+from clawrl.judge.core import Judgement
 from clawrl.judge.feedback import TurnFeedback, read_feedback
 from clawrl.judge.metrics import JudgeMetrics
+from clawrl.judge.samples import promote
 
 log = logging.getLogger(__name__)
 

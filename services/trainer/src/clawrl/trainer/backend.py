@@ -43,7 +43,8 @@ class TrainBatch:
     rollout_logp, teacher_logp: [B, R] float32; reward: [B] float32; has_teacher: [B] bool;
     teacher_topk_ids / teacher_topk_logp: [B, R, K] or None when no sample carries a top-K,
     has_topk: [B] bool (the sample's top-K is valid); group_index: [B] int64 (samples of one
-    session share it: GRPO groups);
+    session share it: GRPO groups); step_group: [B] int64 (samples of one task and turn index
+    share it: step_wise buckets);
     old_logp, ref_logp, advantages: [B, R], filled in by the driver before `train_step`."""
 
     sample_ids: tuple[str, ...]
@@ -60,6 +61,7 @@ class TrainBatch:
     teacher_topk_logp: Tensor | None = None
     has_topk: Tensor | None = None
     group_index: Tensor | None = None
+    step_group: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     advantages: Tensor | None = None

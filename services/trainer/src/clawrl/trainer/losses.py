@@ -62,7 +62,8 @@ def micro_batch_weight(micro_mask: Tensor, batch_mask: Tensor, mode: Aggregation
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What the estimators read. reward, has_teacher: [B]; old_logp, teacher_logp, mask: [B, R];
-    group_index: [B] (samples with the same value form one GRPO group) or None."""
+    group_index: [B] (samples with the same value form one GRPO group) or None; step_group: [B]
+    (samples of the same task and turn index share it: step_wise's buckets) or None."""
 
     reward: Tensor
     old_logp: Tensor
@@ -70,6 +71,7 @@ class AdvantageInputs:
     has_teacher: Tensor
     mask: Tensor
     group_index: Tensor | None = None
+    step_group: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class AdvantageConfig:
     what a group is, the samples of one session ("session", the batch's group_index) or the
     whole batch ("batch": each reward against the batch's mean, the baseline left when every
     prompt is sampled once, as live traffic is); opd_clip: the bound on each token's
-    teacher_logp - old_logp (None: unclipped)."""
+    teacher_logp - old_logp (None: unclipped); step_normalize: step_wise's normalisation within
+    (task, turn index) buckets (off: each turn's own score)."""
 
     estimator: str = "grpo"
     w_rl: float = 1.0
@@ -87,6 +90,7 @@ class AdvantageConfig:
     normalize_groups: bool = False
     group_by: str = "session"
     opd_clip: float | None = None
+    step_normalize: bool = True
     eps: float = 1e-6
 
 
@@ -133,11 +137,59 @@ def combine_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
     return cfg.w_rl * grpo_advantages(inputs, cfg) + cfg.w_opd * opd_advantages(inputs, cfg)
 
 
+CONSTANT_VAR = 1e-12  # a bucket whose variance is at most this is constant (slime's threshold)
+
+
+def step_normalized(score: Tensor, bucket: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """score, bucket: [B] -> (value [B], kept [B] bool): OpenClaw-RL's step_wise normalisation
+    (slime's RolloutManager._post_process_step_wise_rewards, matched exactly): within each
+    bucket (there: the same task group and step index) of n > 1 turns, (s - mean) / (std +
+    eps) with the population std, sqrt(max(E[s^2] - mean^2, 0)); a bucket of one keeps its raw
+    score; a constant bucket (n > 1, variance <= 1e-12) is dropped (kept False: its turns are
+    not trained), unless every bucket is constant, when the first bucket met in the batch is
+    kept so that a step is never empty. Statistics in float64, as slime's Python floats."""
+    values = score.double()
+    out = values.clone()
+    kept = torch.ones_like(score, dtype=torch.bool)
+    buckets = list(dict.fromkeys(bucket.tolist()))  # in order of first appearance
+    constant = []
+    for key in buckets:
+        members = bucket == key
+        group = values[members]
+        if group.numel() < 2:
+            continue
+        mean = group.sum() / group.numel()
+        var = ((group * group).sum() / group.numel() - mean * mean).clamp(min=0.0)
+        if var <= CONSTANT_VAR:
+            constant.append(key)
+        out[members] = (group - mean) / (var.sqrt() + eps)
+    if len(constant) == len(buckets) and buckets:
+        constant = constant[1:]
+    for key in constant:
+        kept[bucket == key] = False
+    return (out * kept).to(score.dtype), kept
+
+
+def step_wise_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
+    """-> [B, R]: each turn is its own sample, its advantage its own step score (the judge's
+    reward: (2 * outcome - 1) + prm_step_coef * step score for an episode's turn), normalised
+    within its (task, turn index) bucket when step_normalize (`step_normalized`), on every
+    trained token; no further normalisation (OpenClaw-RL's step_wise estimator). A dropped
+    bucket's turns get 0 here; the trainer also takes them out of the loss mask."""
+    reward = inputs.reward
+    if cfg.step_normalize:
+        if inputs.step_group is None:
+            raise ValueError("step_wise normalisation needs a step_group")
+        reward, _ = step_normalized(reward, inputs.step_group, cfg.eps)
+    return reward[:, None] * inputs.mask
+
+
 AdvantageFn = Callable[[AdvantageInputs, AdvantageConfig], Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "grpo": grpo_advantages,
     "on_policy_distillation": opd_advantages,
     "combine": combine_advantages,
+    "step_wise": step_wise_advantages,
 }
 
 

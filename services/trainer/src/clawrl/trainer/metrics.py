@@ -44,6 +44,8 @@ STEP_GAUGES = {
     "advantage_std": "Standard deviation of the advantages over trained tokens in the last step.",
     "old_rollout_abs_diff": "Mean |old_logp - rollout_logp| over trained tokens in the last step.",
     "tokens_per_second": "Trained tokens (prompt + response) per second of the last step.",
+    "step_wise_dropped": "Samples of the last step in constant (task, turn index) buckets, "
+    "taken out of the loss (advantage.estimator = step_wise with step_normalize).",
 }
 
 

@@ -33,6 +33,7 @@ ESTIMATOR_MODES = {
     "grpo": SampleMode.SAMPLE_MODE_BINARY_RL,
     "on_policy_distillation": SampleMode.SAMPLE_MODE_OPD,
     "combine": SampleMode.SAMPLE_MODE_COMBINED,
+    "step_wise": SampleMode.SAMPLE_MODE_BINARY_RL,  # the reward is each turn's step score
 }
 JUDGING_MODES = {
     SampleMode.SAMPLE_MODE_BINARY_RL: "rl",
@@ -142,8 +143,18 @@ def collate(samples: Sequence[Sample]) -> TrainBatch:
         teacher_topk_logp=topk_logp,
         has_topk=has_topk,
         group_index=torch.tensor(_group_index([session_state_of(s.sample_id) for s in samples])),
+        step_group=torch.tensor(_group_index([step_bucket(s) for s in samples])),
         **per_token,
     )
+
+
+def step_bucket(sample: Sample) -> str:
+    """The step_wise bucket of a sample: its task (the episode's task_id, else its own session
+    state: an episode with no task named is its own group) and its turn index, as OpenClaw-RL
+    buckets by (task group, step index)."""
+    if sample.task_id:
+        return f"task:{sample.task_id}\n{sample.turn_index}"
+    return f"session:{session_state_of(sample.sample_id)}\n{sample.turn_index}"
 
 
 def _group_index(keys: Sequence[str]) -> list[int]:

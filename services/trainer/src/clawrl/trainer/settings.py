@@ -40,9 +40,11 @@ class RolloutSettings(Section):
 class AdvantageSettings(Section):
     """Which advantage estimator turns samples into per-token advantages."""
 
-    estimator: Literal["grpo", "on_policy_distillation", "combine"] = Field(
+    estimator: Literal["grpo", "on_policy_distillation", "combine", "step_wise"] = Field(
         "grpo", description="grpo: the reward on every token; on_policy_distillation: "
-        "teacher_logp - old_logp; combine: w_rl * reward + w_opd * (teacher_logp - old_logp)."
+        "teacher_logp - old_logp; combine: w_rl * reward + w_opd * (teacher_logp - old_logp); "
+        "step_wise (OpenClaw-RL's, for episodes): each turn's own step score, normalised within "
+        "its (task, turn index) bucket (step_normalize), on every token; trains rl samples."
     )  # fmt: skip
     normalize_groups: bool = Field(
         False,
@@ -53,6 +55,13 @@ class AdvantageSettings(Section):
         "session",
         description="A group for normalize_groups: the samples of one session, or the whole "
         "batch (the batch mean as baseline: live traffic samples each prompt once).",
+    )
+    step_normalize: bool = Field(
+        True,
+        description="step_wise: normalise each turn's score among the batch's turns of the same "
+        "task (the episode's task_id, else its session) and turn index: (s - mean) / (std + "
+        "1e-6); a bucket of one keeps its score, a constant bucket is not trained (OpenClaw-RL's "
+        "default, rewards normalisation on). Off: each turn's score as it is.",
     )
     opd_clip: float | None = Field(
         None,
@@ -370,4 +379,5 @@ class TrainerSettings(ClawrlSettings):
             normalize_groups=self.advantage.normalize_groups,
             group_by=self.advantage.group_by,
             opd_clip=self.advantage.opd_clip,
+            step_normalize=self.advantage.step_normalize,
         )

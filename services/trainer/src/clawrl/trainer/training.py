@@ -28,6 +28,7 @@ the shared policy until a reset.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -56,10 +57,12 @@ from clawrl.trainer.checkpoints import CheckpointStore, TrainedIds, TrainerState
 from clawrl.trainer.driver import BackendHandle, BackendLost
 from clawrl.trainer.intake import Collected, Intake
 from clawrl.trainer.losses import (
+    AdvantageConfig,
     AdvantageInputs,
     compute_advantages,
     masked_mean,
     off_policy_figures,
+    step_normalized,
 )
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.samples import collate
@@ -108,6 +111,20 @@ def has_signal(advantages: torch.Tensor, batch, cfg) -> bool:
     if bool((advantages * batch.loss_mask).abs().gt(0).any()):
         return True
     return bool(cfg.distill_coef) and bool(batch.has_teacher.any())
+
+
+def without_constant_steps(batch, cfg: AdvantageConfig):
+    """step_wise with step_normalize: the batch with the turns of constant (task, turn index)
+    buckets taken out of the loss mask (OpenClaw-RL removes those samples: they would still
+    weigh in the token mean with a zero advantage), and how many there were; else unchanged."""
+    if cfg.estimator != "step_wise" or not cfg.step_normalize or batch.step_group is None:
+        return batch, 0
+    _, kept = step_normalized(batch.reward, batch.step_group, cfg.eps)
+    dropped = int((~kept).sum())
+    if not dropped:
+        return batch, 0
+    mask = batch.loss_mask * kept[:, None].to(batch.loss_mask.dtype)
+    return dataclasses.replace(batch, loss_mask=mask), dropped
 
 
 class VersionSync(Protocol):
@@ -309,18 +326,22 @@ class Trainer:
         if cfg.kl_coef:
             ref_logp = await self.backend.call("compute_logprobs", batch, "reference")
         logprobs_s = time.perf_counter() - started
+        adv_cfg = self.settings.advantage_config()
+        batch, dropped = without_constant_steps(batch, adv_cfg)
         advantages = compute_advantages(
             AdvantageInputs(
                 reward=batch.reward, old_logp=old_logp, teacher_logp=batch.teacher_logp,
                 has_teacher=batch.has_teacher, mask=batch.loss_mask,
-                group_index=batch.group_index,
+                group_index=batch.group_index, step_group=batch.step_group,
             ),
-            self.settings.advantage_config(),
+            adv_cfg,
         )  # fmt: skip
         if not has_signal(advantages, batch, cfg):
             return None
         cap = cfg.tis_cap if cfg.off_policy_correction == "tis" else math.inf  # "none": no cap
         figures = batch_figures(batch, old_logp, advantages, version, cap)
+        if adv_cfg.estimator == "step_wise":
+            figures["step_wise_dropped"] = float(dropped)
         figures |= await self.backend.call(
             "train_step", batch.with_targets(old_logp, advantages, ref_logp), cfg
         )

@@ -41,6 +41,7 @@ class MaskReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MASK_REASON_HISTORY_MISMATCH: _ClassVar[MaskReason]
     MASK_REASON_RETRY_ORPHAN: _ClassVar[MaskReason]
     MASK_REASON_PROBE: _ClassVar[MaskReason]
+    MASK_REASON_NO_OUTCOME: _ClassVar[MaskReason]
 FINALIZE_REASON_UNSPECIFIED: FinalizeReason
 FINALIZE_REASON_NEXT_STATE: FinalizeReason
 FINALIZE_REASON_SESSION_DONE: FinalizeReason
@@ -63,9 +64,10 @@ MASK_REASON_HINT_FN_FAILED: MaskReason
 MASK_REASON_HISTORY_MISMATCH: MaskReason
 MASK_REASON_RETRY_ORPHAN: MaskReason
 MASK_REASON_PROBE: MaskReason
+MASK_REASON_NO_OUTCOME: MaskReason
 
 class Turn(_message.Message):
-    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id", "temperature", "top_p", "next_state_messages_json", "weight_version", "request_id", "admitted_policy_version", "unknown_weights", "tenant", "probe")
+    __slots__ = ("turn_id", "session_id", "turn_index", "model", "policy_version", "messages_json", "tools_json", "prompt_ids", "response_ids", "response_logprobs", "response_text", "response_message_json", "finish_reason", "next_state_json", "finalize_reason", "history_mismatch", "created_at", "finalized_at", "gateway_id", "temperature", "top_p", "next_state_messages_json", "weight_version", "request_id", "admitted_policy_version", "unknown_weights", "tenant", "probe", "episode")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class Turn(_message.Message):
     UNKNOWN_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     session_id: str
     turn_index: int
@@ -122,10 +125,11 @@ class Turn(_message.Message):
     unknown_weights: bool
     tenant: str
     probe: bool
-    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., next_state_messages_json: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., request_id: _Optional[str] = ..., admitted_policy_version: _Optional[int] = ..., unknown_weights: _Optional[bool] = ..., tenant: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
+    episode: bool
+    def __init__(self, turn_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., response_logprobs: _Optional[_Iterable[float]] = ..., response_text: _Optional[str] = ..., response_message_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., next_state_json: _Optional[str] = ..., finalize_reason: _Optional[_Union[FinalizeReason, str]] = ..., history_mismatch: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gateway_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., next_state_messages_json: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., request_id: _Optional[str] = ..., admitted_policy_version: _Optional[int] = ..., unknown_weights: _Optional[bool] = ..., tenant: _Optional[str] = ..., probe: _Optional[bool] = ..., episode: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "session_id", "turn_index", "policy_version", "mode", "prompt_ids", "response_ids", "old_logprobs", "reward", "votes", "hint", "teacher_logprobs", "loss_mask", "created_at", "has_teacher", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logprobs", "weight_version", "temperature", "top_p", "mask_reason", "reward_source", "promoted", "model", "turn_finalized_at", "tenant", "hint_source", "hint_candidates")
+    __slots__ = ("sample_id", "session_id", "turn_index", "policy_version", "mode", "prompt_ids", "response_ids", "old_logprobs", "reward", "votes", "hint", "teacher_logprobs", "loss_mask", "created_at", "has_teacher", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logprobs", "weight_version", "temperature", "top_p", "mask_reason", "reward_source", "promoted", "model", "turn_finalized_at", "tenant", "hint_source", "hint_candidates", "outcome", "step_score", "task_id")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +159,9 @@ class Sample(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HINT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HINT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STEP_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     session_id: str
     turn_index: int
@@ -184,4 +191,7 @@ class Sample(_message.Message):
     tenant: str
     hint_source: str
     hint_candidates: int
-    def __init__(self, sample_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., mode: _Optional[_Union[SampleMode, str]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., votes: _Optional[_Iterable[int]] = ..., hint: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., has_teacher: _Optional[bool] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., mask_reason: _Optional[_Union[MaskReason, str]] = ..., reward_source: _Optional[str] = ..., promoted: _Optional[bool] = ..., model: _Optional[str] = ..., turn_finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., tenant: _Optional[str] = ..., hint_source: _Optional[str] = ..., hint_candidates: _Optional[int] = ...) -> None: ...
+    outcome: float
+    step_score: float
+    task_id: str
+    def __init__(self, sample_id: _Optional[str] = ..., session_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., mode: _Optional[_Union[SampleMode, str]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., votes: _Optional[_Iterable[int]] = ..., hint: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., has_teacher: _Optional[bool] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., mask_reason: _Optional[_Union[MaskReason, str]] = ..., reward_source: _Optional[str] = ..., promoted: _Optional[bool] = ..., model: _Optional[str] = ..., turn_finalized_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., tenant: _Optional[str] = ..., hint_source: _Optional[str] = ..., hint_candidates: _Optional[int] = ..., outcome: _Optional[float] = ..., step_score: _Optional[float] = ..., task_id: _Optional[str] = ...) -> None: ...
