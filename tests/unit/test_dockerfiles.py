@@ -76,11 +76,13 @@ def test_trainer_image_has_torch_megatron_and_ray() -> None:
 
 def settings_class(service: str) -> type:
     from clawrl.engine.settings import EngineSettings
+    from clawrl.environments.settings import EnvironmentsSettings
     from clawrl.gateway.settings import GatewaySettings
     from clawrl.judge.settings import JudgeSettings
     from clawrl.trainer.settings import TrainerSettings
 
     return {
+        "environments": EnvironmentsSettings,
         "gateway": GatewaySettings,
         "judge": JudgeSettings,
         "rollout-engine": EngineSettings,
