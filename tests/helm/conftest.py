@@ -106,5 +106,7 @@ def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:
             yield f"{kind}/{name}/{group['groupName']}", group["template"]["spec"]
         if "submitterPodTemplate" in spec:
             yield f"{kind}/{name}/submitter", spec["submitterPodTemplate"]["spec"]
+    elif kind == "SandboxTemplate":  # agent-sandbox starts each sandbox's pod from it
+        yield f"{kind}/{name}", spec["podTemplate"]["spec"]
     elif kind == "ConfigMap" and "job.yaml" in obj.get("data", {}):
         yield from pod_specs(yaml.safe_load(obj["data"]["job.yaml"]))

@@ -19,8 +19,9 @@ SKIPS = Path(__file__).parent / "checkov-skips.yaml"
 
 
 def scanned_objects(objects: list[dict]) -> list[dict]:
-    """The rendered objects, plus what checkov cannot see inside them: the pods of the RayJob (a
-    custom resource) as Pods, and the weight-sync Job kept as text in a ConfigMap."""
+    """The rendered objects, plus what checkov cannot see inside them: the pods of the RayJob and
+    of the SandboxTemplate (custom resources) as Pods, and the weight-sync Job kept as text in a
+    ConfigMap."""
     extra = []
     for obj in objects:
         if obj["kind"] == "RayJob":
@@ -33,6 +34,12 @@ def scanned_objects(objects: list[dict]) -> list[dict]:
                 extra.append(
                     {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
                 )
+        elif obj["kind"] == "SandboxTemplate":
+            # agent-sandbox's pods: scanned as the Pods the controller makes of the template.
+            ((_, spec),) = pod_specs(obj)
+            metadata = {"name": obj["metadata"]["name"],
+                        "labels": obj["spec"]["podTemplate"]["metadata"]["labels"]}  # fmt: skip
+            extra.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
         elif obj["kind"] == "ConfigMap" and "job.yaml" in obj.get("data", {}):
             job = yaml.safe_load(obj["data"]["job.yaml"])
             # Namespaced like the other rendered objects (Helm's), so policies match its pods.

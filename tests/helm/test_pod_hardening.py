@@ -1,6 +1,6 @@
 """Pod hardening of the rendered chart: read-only root filesystems with a writable volume behind
 every path a program writes, service-account tokens only where the Kubernetes API is used, and
-images pinned by digest on request."""
+images pinned by digest on request. Sandbox pods (the SandboxTemplate's) are pods too."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ WRITES: dict[str, tuple[str, ...]] = {
     "redis-exporter": (),
     # The `helm test` hook: Python's tempfile at most.
     "gateway-turn": TMP,
+    # The sandbox service: the kubernetes client's temp files; the local backend's workspaces.
+    "environments": TMP,
+    "agent-runner": TMP,
+    # A sandbox: the task's workspace (also $HOME) and /tmp, nothing else.
+    "sandbox": ("/workspace", *TMP),
 }
 # Environment variables naming a directory a program writes: each must lie on a writable volume.
 WRITTEN_DIRS_ENV = ("HOME", "HF_HOME", "TMPDIR", "XDG_CACHE_HOME", "TRITON_CACHE_DIR")
@@ -121,9 +126,13 @@ def test_only_the_ray_head_mounts_a_service_account_token(values: Path | None) -
         for where, spec in pod_specs(obj):
             tokens[where] = spec.get("automountServiceAccountToken")
     # The trainer driver and the weight-sync launcher in the head create and watch the
-    # weight-sync Jobs through the API server (its Role); no other pod talks to it.
+    # weight-sync Jobs through the API server (its Role); no other pod talks to it but the
+    # sandbox service's kubernetes backend (it claims sandboxes and execs into them).
     head = "RayJob/clawrl-trainer/head"
     assert tokens.pop(head) is True
+    if values is not None and values.name == "values-terminal.yaml":
+        assert tokens.pop("Deployment/clawrl-environments") is True
+        assert tokens["SandboxTemplate/clawrl-sandbox"] is False
     assert tokens and set(tokens.values()) == {False}, tokens
     spec = next(s for o in objects_for(values) for w, s in pod_specs(o) if w == head)
     assert spec["serviceAccountName"] == "clawrl-trainer"

@@ -591,3 +591,16 @@ template:
       {{- include "clawrl.scratchVolumes" (dict) | nindent 6 }}
 {{- end }}
 {{- end }}
+
+{{/* The labels of the sandbox pods (agent-sandbox starts them from the SandboxTemplate): their own app.kubernetes.io/name, so no NetworkPolicy admitting "the release's pods" (clawrl.releasePods: Redis, the sandbox service) ever admits a sandbox. Call with the root context. */}}
+{{- define "clawrl.sandboxPodLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-sandbox" (include "clawrl.name" .) }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: sandbox
+app.kubernetes.io/part-of: clawrl
+{{- end }}
+
+{{/* The sandbox service's lease API URL inside the cluster (the agent runner's --environments-url). Call with the root context. */}}
+{{- define "clawrl.environmentsUrl" -}}
+{{- printf "http://%s:%d" (include "clawrl.componentName" (dict "root" . "component" "environments")) (int .Values.environments.port) }}
+{{- end }}
