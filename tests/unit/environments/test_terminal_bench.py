@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clawrl.environments.tasks import TaskSetError, check_task
+from clawrl.environments.tasks import TaskSetError, check_task, load_taskset
+from clawrl.environments.tasks import main as tasks_main
 from clawrl.environments.terminal_bench import (
     DEFAULT_TOOLS,
     Unsupported,
@@ -277,3 +278,20 @@ def test_a_directory_without_tasks_is_an_error_and_the_cli_reports(tmp_path: Pat
         "1 converted, 1 skipped",
     ]
     assert main([str(tmp_path / "empty")]) == 2
+
+
+def test_the_task_list_cli_adds_converted_tasks_to_the_shipped_set(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "tasks"
+    greeting(root)
+    make_task(root, "custom-image", {"Dockerfile": DOCKERFILE + "RUN true\n"})
+    assert tasks_main(["--list", "--split", "heldout", "--terminal-bench", str(root)]) == 0
+    captured = capsys.readouterr()
+    assert (
+        captured.err
+        == "skipped custom-image: its Dockerfile runs RUN, so it needs a custom image\n"
+    )
+    rows = [line.split() for line in captured.out.splitlines()]
+    assert ["terminal_bench.make-greeting", "terminal_bench", "heldout"] in rows
+    assert ["terminal_bench", "1"] in rows
+    shipped = len(load_taskset().split("heldout"))
+    assert rows[-1] == ["total", str(shipped + 1)]
