@@ -57,7 +57,7 @@ PY
 "${PIP[@]}" --config-settings editable_mode=compat \
   -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
   -e "services/judge[test]" -e "services/trainer[test,megatron]" -e "services/simulator[test]" \
-  -e "services/environments[test]"
+  -e "services/environments[test,kubernetes]"
 
 # The docs site's tools for `make docs` (MkDocs + Material for MkDocs, pinned).
 "${PIP[@]}" mkdocs==1.6.1 mkdocs-material==9.8.1

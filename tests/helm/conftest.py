@@ -3,6 +3,7 @@ directory), as parsed objects, plus the upstream CRD schemas the custom resource
 
 from __future__ import annotations
 
+import copy
 import gzip
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -72,18 +74,56 @@ def promtool() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def crd_schema() -> Callable[[str, str], dict]:
-    """`crd_schema(kind, version)`: the openAPIV3Schema of an upstream CRD kept in crds/."""
+def crd_schemas(pattern: str = "*.yaml.gz") -> dict[tuple[str, str], dict]:
+    """(kind, version) -> openAPIV3Schema of the upstream CRDs kept in crds/."""
     schemas = {}
-    for path in CRDS.glob("*.yaml.gz"):
+    for path in CRDS.glob(pattern):
         # libyaml's loader: the RayJob CRD is 1.4 MB of YAML (30 s with the pure-Python one).
         crd = yaml.load(gzip.decompress(path.read_bytes()), Loader=yaml.CSafeLoader)
         for version in crd["spec"]["versions"]:
             schemas[(crd["spec"]["names"]["kind"], version["name"])] = version["schema"][
                 "openAPIV3Schema"
             ]
+    return schemas
+
+
+@pytest.fixture(scope="session")
+def crd_schema() -> Callable[[str, str], dict]:
+    """`crd_schema(kind, version)`: the openAPIV3Schema of an upstream CRD kept in crds/."""
+    schemas = crd_schemas()
     return lambda kind, version: schemas[(kind, version)]
+
+
+def strict(schema: dict) -> dict:
+    """A CRD schema that also rejects unknown fields, as the API server's strict field
+    validation does (objects keep unknown fields only where the CRD preserves them)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+                and "additionalProperties" not in node
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def crd_errors(obj: dict, schema: dict) -> list[str]:
+    """Where obj breaks a CRD schema (strictly), as `path: message` lines; [] when valid."""
+    validator = jsonschema.Draft7Validator(strict(schema))
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
+    ]
 
 
 def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:

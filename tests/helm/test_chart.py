@@ -11,7 +11,6 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -24,7 +23,15 @@ from clawrl.judge.settings import JudgeSettings
 from clawrl.trainer.megatron.placement import plan_node
 from clawrl.trainer.settings import TrainerSettings
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
-from tests.helm.conftest import CHART, CLUSTER_VALUES, EXAMPLE_VALUES, helm, pod_specs, render
+from tests.helm.conftest import (
+    CHART,
+    CLUSTER_VALUES,
+    EXAMPLE_VALUES,
+    crd_errors,
+    helm,
+    pod_specs,
+    render,
+)
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 CUSTOM = {("ray.io/v1", "RayJob"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
@@ -88,37 +95,6 @@ def test_the_validator_rejects_an_unknown_field(default_objects: list[dict]) -> 
     deployment["spec"]["template"]["spec"]["containers"][0]["gpuCount"] = 2
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, "1.30.0", strict=True)
-
-
-def strict(schema: dict) -> dict:
-    """A CRD schema that also rejects unknown fields, as the API server's strict field
-    validation does (objects keep unknown fields only where the CRD preserves them)."""
-    schema = copy.deepcopy(schema)
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            if (
-                node.get("type") == "object"
-                and "properties" in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-                and "additionalProperties" not in node
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
-    return schema
-
-
-def crd_errors(obj: dict, schema: dict) -> list[str]:
-    validator = jsonschema.Draft7Validator(strict(schema))
-    return [
-        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
-    ]
 
 
 @pytest.mark.parametrize("values", VALUES_FILES, ids=values_id)

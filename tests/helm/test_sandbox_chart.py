@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.helm.conftest import CHART, CLUSTER_VALUES, helm, pod_specs, render
-from tests.helm.test_chart import CUSTOM, crd_errors, kubernetes_errors
+from tests.helm.conftest import CHART, CLUSTER_VALUES, crd_errors, helm, pod_specs, render
+from tests.helm.test_chart import CUSTOM, kubernetes_errors
 
 ALL_ON = (
     "environments.enabled=true",
