@@ -45,9 +45,7 @@ class Script:
             return await self.redis.eval(self.source, len(keys), *keys, *args)
 
 
-async def run_script(
-    redis: Redis, script: Script, calls: Sequence[tuple[list, list]]
-) -> list[Any]:
+async def run_script(redis: Redis, script: Script, calls: Sequence[tuple[list, list]]) -> list[Any]:
     """`script` once per `(keys, args)`, results in order, in one pipeline (one round trip per
     node, each node's calls run in order). A call a node refused with NOSCRIPT (it never ran)
     is run again on its own, which gives that node the script."""

@@ -43,8 +43,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot replace the running weights (bad path, names or shapes)."""
 
 
-
-
 class RoomyLayer(DynamicLayer):
     """A cache layer whose keys and values are views of buffers with spare room after them: a
     prefill chunk or a decode step is written into the room, where transformers' DynamicLayer
