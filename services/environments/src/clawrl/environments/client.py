@@ -147,9 +147,13 @@ class SandboxClient:
         data = await self._post("/reset", body)
         return ResetResult(data["user_msg"], data["tool_schemas"], data.get("tools", []))
 
-    async def exec_tool(self, lease_id: str, name: str, arguments: Mapping[str, Any]) -> ToolResult:
-        """Run one tool call; an invalid call comes back as an observation, not an error."""
-        body = {"lease_id": lease_id, "tool_call": {"name": name, "arguments": dict(arguments)}}
+    async def exec_tool(
+        self, lease_id: str, name: str, arguments: Mapping[str, Any] | str
+    ) -> ToolResult:
+        """Run one tool call; an invalid call comes back as an observation, not an error.
+        arguments: an object, or the JSON string an OpenAI tool call carries (sent as is)."""
+        args = arguments if isinstance(arguments, str) else dict(arguments)
+        body = {"lease_id": lease_id, "tool_call": {"name": name, "arguments": args}}
         data = await self._post("/exec_tool", body)
         return ToolResult(str(data["observation"]), _exec_result(data.get("result")))
 
@@ -214,7 +218,7 @@ class Lease:
     async def reset(self, task_meta: Mapping[str, Any], **kwargs: Any) -> ResetResult:
         return await self.client.reset(self.lease_id, task_meta, **kwargs)
 
-    async def exec_tool(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
+    async def exec_tool(self, name: str, arguments: Mapping[str, Any] | str) -> ToolResult:
         return await self.client.exec_tool(self.lease_id, name, arguments)
 
     async def evaluate(

@@ -294,12 +294,15 @@ class LocalBackend:
         readers = asyncio.gather(_read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap))
         feeder = asyncio.create_task(_feed(proc, stdin))
         timed_out = False
+        # On 3.11, wait() returns once bwrap has exited *and* its pipes are closed, so both
+        # waits are bounded: a pipe held open must not hang the request.
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
             _kill(proc)
-            await proc.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
         try:
             out, err = await asyncio.wait_for(asyncio.shield(readers), KILL_GRACE_S)
         except TimeoutError:
