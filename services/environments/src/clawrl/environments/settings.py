@@ -5,7 +5,6 @@ service's section in a shared clawrl.toml."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -14,6 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from clawrl.common.settings import ClawrlSettings, Section
 from clawrl.environments.backend import Limits
+from clawrl.environments.kube import KubeSandboxSettings
 
 # A shell and the coreutils a terminal task takes for granted; a task's `tools` add to these.
 BASE_TOOLS = [
@@ -173,6 +173,7 @@ class EnvironmentsSettings(ClawrlSettings):
     environments_server: ServerSettings = Field(default_factory=ServerSettings)
     leases: LeaseSettings = Field(default_factory=LeaseSettings)
     sandbox: LocalSandboxSettings = Field(default_factory=LocalSandboxSettings)
+    kube_sandbox: KubeSandboxSettings = Field(default_factory=KubeSandboxSettings)
     sandbox_limits: SandboxLimits = Field(default_factory=SandboxLimits)  # type: ignore[valid-type]
     sandbox_max_limits: SandboxMaxLimits = Field(default_factory=SandboxMaxLimits)  # type: ignore[valid-type]
 
@@ -183,7 +184,3 @@ class EnvironmentsSettings(ClawrlSettings):
         if over:
             raise ValueError(f"sandbox_limits above sandbox_max_limits: {', '.join(over)}")
         return self
-
-
-def running_as_root() -> bool:
-    return os.geteuid() == 0
