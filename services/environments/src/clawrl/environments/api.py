@@ -283,6 +283,7 @@ def create_app(settings: EnvironmentsSettings, backend: SandboxBackend | None = 
             authorize(service, request)
         except LeaseError as exc:
             service.metrics.request_errors.labels("/status", exc.code).inc()
+            log.info("/status refused (%s): %s", exc.code, exc)
             return error_response(exc)
         return JSONResponse({"ok": True, "pool": service.pool.status()})
 

@@ -269,11 +269,18 @@ class LeasePool:
         """Destroy the backend's sandboxes no lease owns (an earlier process's)."""
         owned = {lease.handle.id for lease in self._leases.values() if lease.handle}
         stale = [h for h in await self.backend.list_live() if h.id not in owned]
+        removed = 0
         for handle in stale:
             log.warning("removing leftover sandbox %s", handle.id)
-            await self.backend.destroy(handle)
+            try:
+                await self.backend.destroy(handle)
+            except Exception:  # one stuck leftover must not keep the service from starting
+                self.metrics.backend_errors.labels("reclaim").inc()
+                log.exception("leftover sandbox %s could not be removed", handle.id)
+                continue
             self.metrics.leftovers.inc()
-        return len(stale)
+            removed += 1
+        return removed
 
     async def shutdown(self) -> None:
         for lease_id in list(self._leases):

@@ -123,8 +123,8 @@ class LocalSandboxSettings(Section):
         65534,
         ge=1,
         description="When the service runs as root, sandboxes run as this host uid (root "
-        "ignores RLIMIT_NPROC, so a fork bomb would not be bounded). Unused otherwise: "
-        "sandboxes then run as the service's own uid.",
+        "ignores RLIMIT_NPROC, so a fork bomb would not be bounded); best one no other "
+        "process uses. Unused otherwise: sandboxes then run as the service's own uid.",
     )
     run_as_gid: int = Field(65534, ge=1, description="Host gid that goes with run_as_uid.")
     tmp_size_mb: int = Field(64, gt=0, description="Size of each command's private /tmp tmpfs.")
