@@ -28,6 +28,10 @@ BASE_TOOLS = [
 RO_PATHS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libexec", "/usr/share", "/usr/local/lib")
 
 
+def default_root_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "clawrl-sandboxes"
+
+
 class ServerSettings(Section):
     """The lease API's HTTP server."""
 
@@ -92,7 +96,7 @@ class LocalSandboxSettings(Section):
     """The local backend: bubblewrap on this host."""
 
     root_dir: Path = Field(
-        default_factory=lambda: Path(tempfile.gettempdir()) / "clawrl-sandboxes",
+        default_factory=default_root_dir,
         description="Where each sandbox's directory (workspace and its /etc files) lives. One "
         "service per directory: at start, every sandbox found there is a leftover and removed.",
     )
