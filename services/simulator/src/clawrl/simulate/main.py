@@ -28,6 +28,7 @@ from clawrl.common.records import RecordError, decode_entry
 from clawrl.common.redis_client import connect
 from clawrl.common.settings import RedisSettings
 from clawrl.common.tenants import key_tenant
+from clawrl.environments import agent_eval, runner
 from clawrl.judge import evaluation as judge_eval
 from clawrl.simulate.evaluation import (
     EvalError,
@@ -76,7 +77,11 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://localhost:30000/v1", help="OpenAI API")
     parser.add_argument("--api-key", default="local", help="API key")
     parser.add_argument("--model", help="model name (default: the endpoint's first /v1/models)")
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="max_tokens of a reply")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"max_tokens of a reply (default {MAX_TOKENS}; terminal track {runner.MAX_TOKENS})",
+    )
     parser.add_argument(
         "--eval-concurrency", type=int, default=4, help="held-out questions asked at once"
     )
@@ -95,11 +100,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_client_args(ev)
     add_eval_args(ev)
+    ev.add_argument(
+        "--track",
+        choices=("chat", "terminal"),
+        default="chat",
+        help="chat: the held-out questions against the user's preference; terminal: the "
+        "held-out terminal tasks in sandboxes (see the terminal flags below)",
+    )
+    agent_eval.add_arguments(ev.add_argument_group("terminal track"))
+    agent = commands.add_parser("agent", help="agents that act: terminal tasks in sandboxes")
+    agent_commands = agent.add_subparsers(dest="agent_command", required=True)
+    run = agent_commands.add_parser(
+        "run", help="play tasks of a task set as sessions through the gateway"
+    )
+    runner.add_arguments(run)
     judge_eval.add_arguments(commands.add_parser(
         "judge-eval", help="measure a judge (PRM accuracy, parse rate, hint yield, latency) on "
         "a labelled set of turns",
     ))  # fmt: skip
     args = parser.parse_args(argv)
+    terminal = args.command == "agent" or getattr(args, "track", "chat") == "terminal"
+    if args.command in ("simulate", "eval") and args.max_tokens is None:
+        args.max_tokens = runner.MAX_TOKENS if terminal else MAX_TOKENS
+    if terminal:
+        runner.check_args(run if args.command == "agent" else ev, args)
     if args.command == "simulate":
         if args.held_out_every < 1:
             parser.error("--held-out-every must be at least 1")
@@ -514,7 +538,16 @@ async def evaluate(args: argparse.Namespace) -> int:
     return 0 if complete(found) else 2
 
 
-COMMANDS = {"simulate": simulate, "eval": evaluate, "judge-eval": judge_eval.run}
+async def evaluate_track(args: argparse.Namespace) -> int:
+    return await (agent_eval.evaluate(args) if args.track == "terminal" else evaluate(args))
+
+
+COMMANDS = {
+    "simulate": simulate,
+    "eval": evaluate_track,
+    "judge-eval": judge_eval.run,
+    "agent": runner.run,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
