@@ -340,11 +340,13 @@ def test_a_killed_service_leaves_nothing_running_and_its_restart_cleans_up(
         threading.Thread(target=lambda: _send_quietly(http, pending), daemon=True).start()
         wait_until(lambda: bool(processes_with(marker)), 10, "the sandboxed sleep")
         first.kill()
-    # The sandbox's processes died with the service (bwrap's --die-with-parent).
-    assert wait_no_processes(marker) == []
+    # The sandbox usually dies with the service (bwrap's --die-with-parent); a kill while its
+    # pid 1 arms that signal leaves the command running (seen once in ~20), and then the
+    # restart kills it, as the sandbox's own timeout would 5 s past its limit.
     assert (root / lid / "workspace" / "f").is_file()  # nobody removed it: the service is dead
     second = SandboxService(log_dir, root, name="environments-restarted")
     try:
+        assert wait_no_processes(marker) == []
         assert not (root / lid).exists()
         assert second.metric("clawrl_environments_leftover_sandboxes_removed_total") == 1
     finally:

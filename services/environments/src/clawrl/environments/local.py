@@ -60,6 +60,10 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.+\[-]{1,64}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PRLIMIT_IN_SANDBOX = "/.sandbox/prlimit"
+TIMEOUT_IN_SANDBOX = "/.sandbox/timeout"
+# The sandbox's own `timeout` fires this long after the service's timer would have: a backstop
+# for a sandbox whose service died (see _kill_strays).
+BACKSTOP_S = 5.0
 INSIDE_UID = 1000  # the uid and gid commands see inside (their host uid is mapped to it)
 KILL_GRACE_S = 5.0  # after the kill, how long the output pipes may take to close
 MARKER = "sandbox.json"
@@ -205,6 +209,7 @@ class LocalBackend:
         for name in ("passwd", "group", "hosts"):
             args += ["--ro-bind", str(sandbox_dir / "etc" / name), f"/etc/{name}"]
         args += ["--ro-bind", str(self.settings.prlimit_path), PRLIMIT_IN_SANDBOX]
+        args += ["--ro-bind", str(self.settings.timeout_path), TIMEOUT_IN_SANDBOX]
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--size", str(self.settings.tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         args += ["--bind", str(sandbox_dir / "workspace"), WORKSPACE, "--chdir", WORKSPACE]
@@ -214,8 +219,15 @@ class LocalBackend:
         return args
 
     def command_argv(
-        self, sandbox_dir: Path, spec: SandboxSpec, command: str, extra_tools: Sequence[str]
+        self,
+        sandbox_dir: Path,
+        spec: SandboxSpec,
+        command: str,
+        extra_tools: Sequence[str],
+        backstop_s: float,
     ) -> list[str]:
+        """bwrap, then inside: prlimit sets the limits, timeout kills the command at backstop_s
+        even if nobody outside is left to do it, sh runs the command."""
         limits = spec.limits
         env = {
             "PATH": "/usr/bin:/bin", "HOME": WORKSPACE, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
@@ -232,7 +244,8 @@ class LocalBackend:
         tools = self.tool_binds([*spec.tools, *extra_tools])
         return [
             self.bwrap, *self.bwrap_args(sandbox_dir, tools), *setenv, "--",
-            PRLIMIT_IN_SANDBOX, *rlimits, "--", "/usr/bin/sh", "-c", command,
+            PRLIMIT_IN_SANDBOX, *rlimits, "--", TIMEOUT_IN_SANDBOX, "--signal=KILL",
+            f"{backstop_s:.3f}", "/usr/bin/sh", "-c", command,
         ]  # fmt: skip
 
     # --- running ----------------------------------------------------------------------------
@@ -385,8 +398,8 @@ class LocalBackend:
         spec = self._specs.get(handle.id)
         if spec is None:
             raise SandboxError(f"sandbox {handle.id} does not exist")
-        argv = self.command_argv(self._dir(handle.id), spec, command, tools)
         timeout = timeout_s if timeout_s is not None else spec.limits.timeout_s
+        argv = self.command_argv(self._dir(handle.id), spec, command, tools, timeout + BACKSTOP_S)
         run = await self._run(handle.id, argv, stdin, timeout, spec.limits.output_bytes)
         if handle.id not in self._specs:
             raise SandboxError(f"sandbox {handle.id} was destroyed while the command ran")
@@ -420,7 +433,13 @@ class LocalBackend:
         for proc in procs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
-        await asyncio.to_thread(_remove_tree, self._dir(handle.id))
+        sandbox_dir = self._dir(handle.id)
+        killed = await asyncio.to_thread(_kill_strays, sandbox_dir)
+        if killed:
+            log.warning(
+                "killed %d processes of sandbox %s that no command owned", killed, handle.id
+            )
+        await asyncio.to_thread(_remove_tree, sandbox_dir)
 
     async def list_live(self) -> list[SandboxHandle]:
         if not self.root.is_dir():
@@ -450,6 +469,7 @@ class LocalBackend:
             for what, ok in (
                 (f"bwrap ({self.bwrap})", os.access(self.bwrap, os.X_OK)),
                 (f"prlimit ({self.settings.prlimit_path})", self.settings.prlimit_path.is_file()),
+                (f"timeout ({self.settings.timeout_path})", self.settings.timeout_path.is_file()),
                 ("sh", "sh" in self._base_tools),
             )
             if not ok
@@ -485,6 +505,26 @@ class LocalBackend:
                 f"network interfaces {interfaces}, stderr {result.stderr.strip()[:300]!r}"
             )
         log.info("local sandboxes isolated (bwrap %s, host uid %d)", self.bwrap, self.uid)
+
+
+def _kill_strays(sandbox_dir: Path) -> int:
+    """SIGKILL the bwrap processes still running over sandbox_dir that this process does not
+    hold: an earlier service's, when its sandbox's pid 1 missed its parent-death signal (bwrap
+    arms it as the sandbox starts; a service killed in that window leaves the command running).
+    They are found by their own argv, which binds this very workspace; killing a sandbox's pid 1
+    ends its pid namespace."""
+    needle = f"\0{sandbox_dir / 'workspace'}\0{WORKSPACE}\0".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return killed
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:

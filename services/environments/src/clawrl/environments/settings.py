@@ -108,6 +108,11 @@ class LocalSandboxSettings(Section):
         description="util-linux prlimit, run inside the sandbox to set the rlimits after the "
         "user namespace exists (so the process count is per sandbox).",
     )
+    timeout_path: Path = Field(
+        Path("/usr/bin/timeout"),
+        description="coreutils timeout, run inside the sandbox as a backstop: it kills a "
+        "command 5 s after its wall-clock limit even when the service is gone.",
+    )
     tool_path: list[Path] = Field(
         default_factory=lambda: [Path("/usr/local/bin"), Path("/usr/bin"), Path("/bin")],
         description="Host directories a tool's name is looked up in.",
