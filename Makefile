@@ -24,9 +24,11 @@ RUN_REWARD_FN ?= clawrl.judge.reward_examples:remark_sentiment
 RUN_ARGS ?=
 
 # RUN_ARGS="--engine sglang" serves with real SGLang (set up first, as by make setup-sglang).
+# RUN_ARGS="--track terminal" adds the sandbox service and the agent runner on the terminal
+# tasks (deploy/local/terminal.py); RUN_REWARD_FN, which reads a chat user's remarks, is left out.
 run: setup  ## the whole learning loop locally on CPU, 16k context (RUN_ARGS="--help"; "--engine sglang")
 	$(if $(findstring sglang,$(RUN_ARGS)),bash scripts/setup-sglang.sh >/dev/null)
-	$(PY) deploy/local/stack.py --reward-fn "$(RUN_REWARD_FN)" $(RUN_ARGS)
+	$(PY) deploy/local/stack.py $(if $(findstring terminal,$(RUN_ARGS)),,--reward-fn "$(RUN_REWARD_FN)") $(RUN_ARGS)
 
 test: setup  ## every test but the gpu ones and the real-SGLang suite (make test-sglang)
 	$(PY) -m pytest -m "not gpu and not sglang" $(PYTEST_ARGS)

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import terminal
+
 REPO = Path(__file__).resolve().parents[2]
 
 # AdamW's step for LoRA on SmolLM2-135M in the preference demo (README, "The demo that trends").
@@ -44,8 +46,9 @@ def needs_judge_engine(args: argparse.Namespace) -> bool:
 def judge_env(args: argparse.Namespace) -> dict[str, str]:
     """The judge's recipe from --method and the plug-in flags (the judge reads CLAWRL_*)."""
     if args.method == "config":  # mode and reward from clawrl.toml ([judging])
-        return {}
+        return terminal.judge_env(args)
     env = {"CLAWRL_JUDGING__MODE": args.method, "CLAWRL_JUDGING__PRM": args.judge_prm}
+    env |= terminal.judge_env(args)
     if args.reward_fn:
         env["CLAWRL_JUDGING__REWARD_FN"] = args.reward_fn
     if args.method == "rl":
@@ -85,7 +88,7 @@ def training_env(args: argparse.Namespace) -> dict[str, str]:
         env["CLAWRL_ADVANTAGE__ESTIMATOR"] = ESTIMATORS[args.method]
     if args.method in ("opd", "combine"):
         env["CLAWRL_ADVANTAGE__OPD_CLIP"] = str(OPD_CLIP)
-    return env
+    return env | terminal.training_env(args)
 
 
 def tenant_env(args: argparse.Namespace) -> dict[str, str]:
@@ -234,6 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=default_torch_threads(),
         help="torch threads of each engine and of the trainer (default: a third of the cores)",
     )
+    terminal.add_arguments(parser)
     parser.add_argument("--status-interval", type=float, default=5.0, help="seconds")
     parser.add_argument("--run-dir", type=Path, default=REPO / "run", help="Redis data, logs...")
     return parser.parse_args(argv)

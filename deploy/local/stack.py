@@ -37,6 +37,7 @@ from pathlib import Path
 import prometheus_local
 import redis
 import status
+import terminal
 from options import (
     LORA_RANK,
     gateway_env,
@@ -371,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         args.judge_metrics_port,
         args.trainer_metrics_port,
         args.sync_metrics_port,
+        *terminal.ports(args),
     )
     for port in ports:
         if port_open(port):
@@ -441,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             env=gateway_env(args),
         )
         start_learning(stack, args, redis_url)
+        if terminal.is_terminal(args):
+            terminal.start(stack, args, http_ok, RESTARTS)
         if shutil.which("prometheus"):
             scraped = {
                 "gateway": args.gateway_port,
@@ -449,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 "judge": args.judge_metrics_port,
                 "trainer": args.trainer_metrics_port,
                 "weight-sync": args.sync_metrics_port,
+                **terminal.scraped(args),
             }
             stack.start(
                 "prometheus",
@@ -473,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Metrics: http://localhost:{args.prometheus_port} (Prometheus, when installed). "
             f"Logs: {args.run_dir / 'logs'}. Turns land on clawrl:turns, samples on "
             f"clawrl:samples (redis-cli -p {args.redis_port} XLEN clawrl:samples).\n"
-            f"Ctrl-C stops everything.\n",
+            + (terminal.banner(args) if terminal.is_terminal(args) else "")
+            + "Ctrl-C stops everything.\n",
             flush=True,
         )
         client = redis.Redis.from_url(redis_url, socket_timeout=2)
