@@ -213,3 +213,29 @@ def test_eval_defaults_per_track_and_mode():
     resolve(base)
     assert (base.split, base.temperature, base.attempts) == (["train", "heldout"], 0.7, 3)
     assert base.concurrency == base.eval_concurrency
+
+
+def test_result_log_writes_lines_and_counts_without_keeping_results(tmp_path):
+    from clawrl.environments.runner import ResultLog
+    from clawrl.environments.runner_metrics import RunnerMetrics
+
+    metrics = RunnerMetrics()
+    with (tmp_path / "e.jsonl").open("w") as out:
+        log = ResultLog(out, metrics)
+        for n, (passed, versions) in enumerate([(True, [0]), (False, [0, 2]), (None, [])]):
+            result = EpisodeResult(f"s{n}", "alpha.a", "alpha", "train", passed=passed)
+            for version in versions:
+                result.saw(version)
+            log.add(result)
+            assert log.changed.is_set()
+        assert not log.broke_off_only
+    lines = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert [(x["session_id"], x["passed"], x["policy_version"]) for x in lines] == [
+        ("s0", True, 0), ("s1", False, None), ("s2", None, None)
+    ]  # fmt: skip
+    assert log.summary() == "3 episodes: 1 passed of 2 checked (0.500), 1 broke off"
+    assert log.newest_version == 2
+    assert metrics.registry.get_sample_value("clawrl_agent_policy_version") == 2.0
+    broken = ResultLog(out, metrics)
+    broken.counts[None] = 2
+    assert broken.broke_off_only

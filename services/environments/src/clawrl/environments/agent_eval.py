@@ -91,11 +91,16 @@ async def play_tasks(
     results: ResultLog,
     prefix: str,
 ) -> list[EpisodeResult]:
-    """Each task `attempts` times; the results of this call, in finishing order."""
-    first = len(results.results)
+    """Each task `attempts` times (logged to `results`); their results, in finishing order."""
+    played: list[EpisodeResult] = []
+
+    def add(result: EpisodeResult) -> None:
+        results.add(result)
+        played.append(result)
+
     jobs = numbered([t for t in tasks for _ in range(attempts)], prefix)
-    await play_all(jobs, clients, config, concurrency, results.add)
-    return results.results[first:]
+    await play_all(jobs, clients, config, concurrency, add)
+    return played
 
 
 def record_held_out(

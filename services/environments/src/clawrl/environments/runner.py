@@ -328,17 +328,18 @@ def episode_config(args: argparse.Namespace, model: str, *, train: bool = True) 
 
 class ResultLog:
     """The episodes' JSON lines (flushed one by one: a killed runner keeps what it wrote), and
-    what the run saw: counts and the newest policy version."""
+    what the run saw: counts (not the results: a runner may run for days) and the newest
+    policy version."""
 
     def __init__(self, out: TextIO, metrics: RunnerMetrics) -> None:
         self.out = out
         self.metrics = metrics
-        self.results: list[EpisodeResult] = []
+        self.counts = {True: 0, False: 0, None: 0}  # passed, failed, broke off
         self.newest_version = -1
         self.changed = asyncio.Event()
 
     def add(self, result: EpisodeResult) -> None:
-        self.results.append(result)
+        self.counts[result.passed] += 1
         self.out.write(json.dumps(result.record()) + "\n")
         self.out.flush()
         if result.versions and max(result.versions) > self.newest_version:
@@ -356,14 +357,17 @@ class ResultLog:
             extra={"session_id": result.session_id},
         )
 
+    @property
+    def broke_off_only(self) -> bool:
+        """Some episodes, none of them checked."""
+        return self.counts[None] > 0 and not (self.counts[True] or self.counts[False])
+
     def summary(self) -> str:
-        done = [r for r in self.results if r.passed is not None]
-        passed = sum(1 for r in done if r.passed)
-        errors = len(self.results) - len(done)
-        rate = f"{passed / len(done):.3f}" if done else "-"
+        passed, checked = self.counts[True], self.counts[True] + self.counts[False]
+        rate = f"{passed / checked:.3f}" if checked else "-"
         return (
-            f"{len(self.results)} episodes: {passed} passed of {len(done)} checked "
-            f"({rate}), {errors} broke off"
+            f"{checked + self.counts[None]} episodes: {passed} passed of {checked} checked "
+            f"({rate}), {self.counts[None]} broke off"
         )
 
 
@@ -417,7 +421,7 @@ async def run(args: argparse.Namespace) -> int:
     print(f"{results.summary()}; wrote {out}", flush=True)
     if caught:
         return EXIT_CODES[signal.Signals(caught[0])]
-    return 1 if results.results and all(r.passed is None for r in results.results) else 0
+    return 1 if results.broke_off_only else 0
 
 
 async def _play(
