@@ -43,6 +43,7 @@ from clawrl.gateway.openai_responses import (
     stored_messages,
 )
 from clawrl.gateway.openai_responses_output import ResponseEvents, response_body
+from clawrl.gateway.outcomes import OUTCOME_ROUTE
 from clawrl.gateway.protocol import ChatRequest, api_credential, parse_chat_request
 from clawrl.gateway.serving import OpenStream
 from clawrl.gateway.settings import GatewaySettings
@@ -55,7 +56,7 @@ RESPONSES_ROUTE = "/v1/responses"
 MESSAGES_ROUTE = "/v1/messages"
 SERVED = (CHAT_ROUTE, RESPONSES_ROUTE, MESSAGES_ROUTE)  # answered ahead of FastAPI
 FEEDBACK_ROUTE = "/v1/feedback"
-ROUTES = (*SERVED, "/v1/models", "/healthz", "/readyz", "/metrics", FEEDBACK_ROUTE)
+ROUTES = (*SERVED, "/v1/models", "/healthz", "/readyz", "/metrics", FEEDBACK_ROUTE, OUTCOME_ROUTE)
 JSON = "application/json"
 
 
@@ -291,6 +292,7 @@ def add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route(FEEDBACK_ROUTE, feedback, methods=["POST"])
+    app.add_api_route(OUTCOME_ROUTE, outcome, methods=["POST"])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"])
@@ -339,17 +341,32 @@ def model_card(gateway: Gateway) -> dict:
 
 
 async def feedback(request: Request) -> Response:
+    """POST /v1/feedback: a rating of one turn (feedback.py)."""
+    off = "feedback is off on this gateway (feedback.enabled = false)"
+    return await posted_to(request, FEEDBACK_ROUTE, "feedback", off)
+
+
+async def outcome(request: Request) -> Response:
+    """POST /v1/outcomes: an episode's outcome (outcomes.py)."""
+    off = "episodes are off on this gateway (episodes.enabled = false)"
+    return await posted_to(request, OUTCOME_ROUTE, "outcomes", off)
+
+
+async def posted_to(request: Request, route: str, service: str, off: str) -> Response:
+    """A JSON POST that the gateway's `service` (a FeedbackService or OutcomeService, None when
+    switched off: 404 `off`) answers."""
     gateway: Gateway = request.app.state.gateway
     try:
         authorize(gateway, request.headers)
-        if gateway.feedback is None:
-            raise NotFound("feedback is off on this gateway (feedback.enabled = false)")
+        handler = getattr(gateway, service)
+        if handler is None:
+            raise NotFound(off)
         limit = gateway.settings.serving.max_body_bytes
         posted = await read_body(request.receive, request.headers, limit)
-        body = await gateway.feedback.handle(posted, request.headers)
+        body = await handler.handle(posted, request.headers)
     except Exception as exc:
         if isinstance(exc, PayloadTooLarge):
-            oversized(gateway, FEEDBACK_ROUTE)
+            oversized(gateway, route)
         return error_response(exc, gateway.settings.serving.retry_after_s)
     return json_response(body)
 

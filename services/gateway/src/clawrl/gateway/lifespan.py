@@ -27,6 +27,7 @@ from clawrl.gateway.control import Admission, PauseGate, start_control_server
 from clawrl.gateway.conversations import ConversationStore
 from clawrl.gateway.feedback import FeedbackService
 from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.outcomes import OutcomeService
 from clawrl.gateway.recording import Recorder
 from clawrl.gateway.serving import ChatService
 from clawrl.gateway.sessions import SessionStore
@@ -53,6 +54,7 @@ class Gateway:
     control_port: int = 0
     conversations: ConversationStore | None = None  # what previous_response_id continues
     feedback: FeedbackService | None = None  # None: feedback.enabled is false
+    outcomes: OutcomeService | None = None  # None: episodes.enabled is false
 
 
 @dataclass
@@ -129,6 +131,11 @@ async def start_gateway(
         ),
         feedback=FeedbackService(redis, store, settings.feedback, metrics)
         if settings.feedback.enabled
+        else None,
+        outcomes=OutcomeService(
+            redis, store, recorder, settings.episodes, settings.feedback.audit_stream, metrics
+        )
+        if settings.episodes.enabled
         else None,
     )
     log.info(
@@ -225,6 +232,7 @@ def create_service(
         default_max_tokens=settings.serving.default_max_tokens,
         offload_render_chars=settings.serving.offload_render_chars,
         retry_after_s=settings.serving.retry_after_s,
+        episodes=settings.episodes.enabled,
     )
 
 

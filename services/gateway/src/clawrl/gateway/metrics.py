@@ -228,7 +228,7 @@ class GatewayMetrics:
         )
 
     def _feedback(self, r: CollectorRegistry) -> None:
-        """POST /v1/feedback."""
+        """POST /v1/feedback and POST /v1/outcomes."""
         self.feedback = Counter(
             "clawrl_gateway_feedback_total",
             "POST /v1/feedback by outcome: accepted (the judge will merge it), late (the "
@@ -236,5 +236,15 @@ class GatewayMetrics:
             "not_found (no such turn of the caller's), invalid, conflict (a feedback id reused "
             "for other content), unavailable (Redis failed).",
             ["outcome"],
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "clawrl_gateway_outcomes_total",
+            "POST /v1/outcomes (an episode's outcome) by result: accepted (its turns will "
+            "merge it), late (the judge had given up waiting: kept and audited, not merged), "
+            "duplicate (a retry), not_found (no such session of the caller's), not_episode (its "
+            "turns were not sent with X-Episode), conflict (another outcome was posted before), "
+            "invalid, unavailable (Redis failed).",
+            ["result"],
             registry=r,
         )

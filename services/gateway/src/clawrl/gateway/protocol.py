@@ -32,7 +32,7 @@ from clawrl.gateway.sessions import caller_scope
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # probe: recorded as a main turn, marked Turn.probe, never trained (the judge masks it)
 TURN_TYPES = ("main", "side", "probe")
-SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
+SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done", "episode")
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -284,6 +284,7 @@ class SessionMeta:
     owner: str = "-"  # caller_scope of the API key alone: whose stored responses it may continue
     user: str | None = None  # the caller's end-user id (`user`, Anthropic's metadata.user_id)
     tenant: str = ""  # whose turn it is (common/tenants.py); set by tenants.identify
+    episode: bool = False  # X-Episode: a turn of an episode, whose outcome comes later
 
 
 @dataclass
@@ -489,8 +490,17 @@ def session_meta(data: dict[str, Any], headers: Mapping[str, str], user: Any = N
         user = data.get("user")
     user = user if isinstance(user, str) else None
     scope = caller_scope(credential, user)
+    episode = headers.get("x-episode")
+    if episode is None:
+        episode = body.get("episode", False)
     return SessionMeta(
-        session_id, turn_type, _truthy(done), scope, caller_scope(credential, None), user
+        session_id,
+        turn_type,
+        _truthy(done),
+        scope,
+        caller_scope(credential, None),
+        user,
+        episode=_truthy(episode),
     )
 
 

@@ -156,6 +156,7 @@ class ServedTurn:
     unknown_weights: bool = False  # the engine's weights were of no known version
     tenant: str = ""  # the caller's tenant (common/tenants.py)
     probe: bool = False  # X-Turn-Type: probe: recorded, never trained
+    episode: bool = False  # X-Episode (the record sets it only when true: old replays)
 
 
 def _timestamp(ns: int | None = None) -> Timestamp:
@@ -203,6 +204,7 @@ def pending_turn(request_id: str, served: ServedTurn) -> bytes:
         created_at=_timestamp(served.created_ns),
         tenant=served.tenant,
         probe=served.probe,
+        episode=served.episode,
     ).SerializeToString()
 
 
@@ -328,6 +330,7 @@ class Recorder:
             if context.done
             else b"",
         })  # fmt: skip
+        call.kwargs.update({"episode": True} if served is not None and served.episode else {})
         if self._queue_behind_spool(call):
             return None
         return await self._outliving_request(self._write(context, call), context.session_id)

@@ -82,8 +82,10 @@ class ChatService:
         default_max_tokens: int | None = None,
         offload_render_chars: int = 8192,
         retry_after_s: int = 5,
+        episodes: bool = True,
     ) -> None:
         self.renderer = renderer
+        self.episodes = episodes  # X-Episode marks turns (episodes.enabled)
         self.engine = engine
         self.gate = gate
         self.metrics = metrics
@@ -275,6 +277,7 @@ class ChatService:
             top_p=request.top_p,
             tenant=request.session.tenant,
             probe=request.session.turn_type == "probe",
+            episode=request.session.episode and self.episodes,
         )
         turn_id = await self.recorder.finish(turn, served)
         headers = {"X-Session-Id": turn.session_id}

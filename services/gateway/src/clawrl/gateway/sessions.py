@@ -10,8 +10,9 @@ turn stream):
   being drawn per session state. TTL refreshed on each request: `next` (index of the session's
   next main turn), `epoch` (made with the state, from its first request's id: turn ids are
   `{session_id}:{epoch}:{index}`, so a session id whose state expired and that comes back gets
-  new ids, never those of turns already judged or trained), and while a turn awaits its next
-  state: `turn` (the serialised `Turn`, without
+  new ids, never those of turns already judged or trained), `episode` (1 once a turn of it was
+  recorded with X-Episode: POST /v1/outcomes takes an outcome for it), and while a turn awaits
+  its next state: `turn` (the serialised `Turn`, without
   turn id/index or finalisation fields), `tid` (its turn id), `hist` (hash of the history it
   ends, assistant reply included), `req` (hash of its request's history: a request with the same
   history is the client retrying it), `at` (when it was stored).
@@ -284,6 +285,7 @@ class SessionStore:
         done: bytes = b"",
         now: float | None = None,
         orphaned: bytes = b"",
+        episode: bool = False,
     ) -> Recorded:
         """One main request: resolve its session (by `prefixes` when it sent none, one round
         trip more: `new_session_id` when no live conversation of the caller matches), finalise the
@@ -294,7 +296,8 @@ class SessionStore:
         retry's orphan, finalised with `orphaned` (the client never used its reply; b"": with
         `superseded`, as a call spooled by an older gateway has none). `now`: when
         the call was made (a call replayed from the spool keeps its time, so the pending turn it
-        stores still precedes the next request's `arrived`)."""
+        stores still precedes the next request's `arrived`). `episode`: the turn is an episode's
+        (X-Episode): the session state says so (`episode`), for POST /v1/outcomes."""
         owner, ambiguous = None, False
         if not session_id and prefixes:
             owner, ambiguous = await self.resolve(request_id, scope, prefixes)
@@ -325,6 +328,7 @@ class SessionStore:
                 session_epoch(request_id),
                 self.feedback_ttl_s,
                 orphaned,
+                int(episode),
             ],
         )
         sid, tid, mismatched, ambiguous, turn_id, old, claim = reply[:7]

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from clawrl.common.episodes import EpisodeSettings
 from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 from clawrl.common.tenants import TenantSettings
@@ -231,6 +232,10 @@ class GatewaySettings(ClawrlSettings):
     control: ControlSettings = Field(default_factory=ControlSettings)
     feedback: FeedbackSettings = Field(
         default_factory=FeedbackSettings, description="POST /v1/feedback (shared with the judge)."
+    )
+    episodes: EpisodeSettings = Field(
+        default_factory=EpisodeSettings,
+        description="X-Episode turns and POST /v1/outcomes (shared with the judge).",
     )
     tenants: TenantSettings = Field(
         default_factory=TenantSettings,

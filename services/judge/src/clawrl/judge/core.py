@@ -18,6 +18,7 @@ from clawrl.common.proto.records_pb2 import FinalizeReason, MaskReason
 from clawrl.common.records import Sample
 from clawrl.common.sglang_client import EngineRequestError, EngineUnavailable
 from clawrl.judge.backends import Prepared, PromptTooLong, VoteBackend
+from clawrl.judge.episodes import EpisodeWait, record_episode
 from clawrl.judge.feedback import TurnFeedback, merged_reward
 from clawrl.judge.hint_fns import HintFn, HintFnFailed
 from clawrl.judge.hints import (
@@ -94,6 +95,8 @@ class Judgement:
     timings: dict[str, float] = field(default_factory=dict)
     # The turn's explicit feedback as read before judging; None: feedback is not read.
     feedback: TurnFeedback | None = None
+    # An episode's turn: what its wait for the outcome found; None: not an episode's turn.
+    episode: EpisodeWait | None = None
 
     @property
     def effective(self) -> bool:
@@ -129,6 +132,7 @@ class Judge:
         hint_candidates: int = 1,
         hint_select: Selection = "longest",
         select_top_k: int = 8,
+        prm_step_coef: float = 1.0,
     ) -> None:
         if mode != "rl" and teacher is None:
             raise ValueError(f"mode {mode} needs a teacher (an SGLang-API judge engine)")
@@ -155,9 +159,16 @@ class Judge:
         self.hint_select = hint_select
         self.select_top_k = select_top_k
         self.logprob_prm = logprob_prm  # set: the PRM score is its yes/no verdict, not votes
+        self.prm_step_coef = prm_step_coef  # an episode's turn: the weight of its step score
 
-    async def judge(self, view: TurnView, feedback: TurnFeedback | None = None) -> Judgement:
-        """`feedback`: the turn's explicit feedback (worker), None when it is not read."""
+    async def judge(
+        self,
+        view: TurnView,
+        feedback: TurnFeedback | None = None,
+        episode: EpisodeWait | None = None,
+    ) -> Judgement:
+        """`feedback`: the turn's explicit feedback (worker), None when it is not read;
+        `episode`: what an episode's turn found waiting for its outcome (worker), else None."""
         turn = view.turn
         sample = base_sample(view, self.mode)
         audit: dict[str, Any] = {
@@ -171,7 +182,7 @@ class Judge:
             "response": turn.response_text[:AUDIT_TEXT_CHARS],
             "next_state": [m for m in view.next_state],
         }
-        judgement = Judgement(sample=sample, audit=audit, feedback=feedback)
+        judgement = Judgement(sample=sample, audit=audit, feedback=feedback, episode=episode)
         if feedback is not None and feedback.entries:
             audit["feedback"] = feedback.audit()
         if turn.probe:
@@ -195,6 +206,13 @@ class Judge:
             # truncated it, or another conversation took the session id): its last message is
             # not known to answer this reply, so it judges nothing.
             set_mask(sample, MaskReason.MASK_REASON_HISTORY_MISMATCH)
+        elif episode is not None and episode.outcome is None:
+            # No outcome in time (episodes.py): no reward is made up for it.
+            audit["episode"] = episode.audit()
+            set_mask(sample, MaskReason.MASK_REASON_NO_OUTCOME)
+            self.metrics.episode_turns.labels("no_outcome").inc()
+        elif episode is not None:
+            await self._episode(view, judgement)
         elif self.mode == "rl":
             await self._rl(view, judgement)
         elif self.mode == "opd":
@@ -271,6 +289,24 @@ class Judge:
             set_mask(sample, MaskReason.MASK_REASON_NO_NEXT_STATE)
         else:
             set_mask(sample, MaskReason.MASK_REASON_NO_SIGNAL)
+
+    async def _episode(self, view: TurnView, j: Judgement) -> None:
+        """An episode's turn with its outcome: trained with (2 * outcome - 1) + prm_step_coef *
+        step score (episodes.episode_score), whatever the score; the step score is `_score`'s,
+        not asked when the coefficient is 0. combine also distils from a hint when one is found."""
+        step = self._score(view, j) if self.prm_step_coef else _nothing()
+        hints = self._hints(view, j) if self.mode == "combine" else _nothing()
+        try:
+            score, found = await _gather(step, hints)
+        except HintFnFailed as exc:
+            self._hint_fn_failed(j, exc)
+            return
+        if found:
+            await self._teach(view, found, j)
+        assert j.episode is not None
+        record_episode(j.sample, j.audit, j.episode, score, self.prm_step_coef)
+        set_mask(j.sample, None)
+        self.metrics.episode_turns.labels("merged").inc()
 
     # ----- signals -------------------------------------------------------------------------
 
@@ -505,6 +541,11 @@ class Judge:
             votes.append(Vote(text=reply, score=score, hint=hint if kind == "hint" else None))
             self.metrics.votes.labels(kind, "valid" if score is not None else "invalid").inc()
         return votes
+
+
+async def _nothing() -> None:
+    """A signal that is not asked."""
+    return None
 
 
 async def _gather(score_coro, hint_coro) -> tuple[float | None, str]:

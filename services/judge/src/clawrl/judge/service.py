@@ -21,6 +21,7 @@ from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.sglang_client import SGLangClient
 from clawrl.judge.backends import OpenAIVotes, SGLangVotes, VoteBackend
 from clawrl.judge.core import Judge
+from clawrl.judge.episodes import OutcomeWaiter
 from clawrl.judge.hint_fns import load_hint_fn
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.prompts import Budget
@@ -141,6 +142,7 @@ def build_judge(
         hint_candidates=j.hint_candidates,
         hint_select=j.hint_select,
         select_top_k=settings.teacher.select_top_k,
+        prm_step_coef=settings.episodes.prm_step_coef,
     )
 
 
@@ -208,7 +210,13 @@ def build_workers(
             metrics=metrics,
             store=store,
         )
-        workers.append(Worker(consumer, store, judge, metrics, w))
+        outcomes = None
+        if settings.waits_for_outcomes:
+            prefix = shards.name(settings.episodes.key_prefix, shard)
+            outcomes = OutcomeWaiter(redis, prefix, settings.episodes, metrics)
+        workers.append(
+            Worker(consumer, store, judge, metrics, w, outcomes, settings.episodes.max_waiting)
+        )
     return workers
 
 

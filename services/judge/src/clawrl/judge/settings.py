@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from clawrl.common.episodes import EpisodeSettings
 from clawrl.common.feedback import FeedbackSettings
 from clawrl.common.settings import ClawrlSettings, ModelSettings, RedisSettings, Section
 from clawrl.judge.hints import BY_OVERLAP, Selection
@@ -270,6 +271,11 @@ class JudgeSettings(ClawrlSettings):
         default_factory=FeedbackSettings,
         description="Explicit feedback (POST /v1/feedback on the gateway): how it is merged.",
     )
+    episodes: EpisodeSettings = Field(
+        default_factory=EpisodeSettings,
+        description="Episodes' turns (X-Episode): how long they wait for the outcome (POST "
+        "/v1/outcomes on the gateway) and how it meets each turn's step score.",
+    )
     judge_server: ServerSettings = Field(
         default_factory=ServerSettings,
         description="[judge_server]: its own section, since the trainer has a [server] too.",
@@ -331,6 +337,12 @@ class JudgeSettings(ClawrlSettings):
     def uses_prm(self) -> bool:
         """The PRM scores turns: rl and combine, unless a reward_fn replaces it."""
         return self.judging.mode != "opd" and not self.judging.reward_fn
+
+    @property
+    def waits_for_outcomes(self) -> bool:
+        """Episodes' turns wait for their outcome: episodes on, and a mode with a reward (opd
+        trains on the teacher only: there the outcome would go unused)."""
+        return self.episodes.enabled and self.judging.mode != "opd"
 
     @property
     def vote_model(self) -> ModelSettings:

@@ -25,10 +25,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from clawrl.common.logs import log_context
-from clawrl.common.records import RecordError, Turn, decode_entry
+from clawrl.common.records import RecordError, Turn, decode_entry, session_state_of
 from clawrl.common.sglang_client import EngineUnavailable
 from clawrl.common.streams import Entry, GroupConsumer, trim_acknowledged
 from clawrl.judge.core import Judge, Judgement
+from clawrl.judge.episodes import EpisodeWait, OutcomeWaiter
 from clawrl.judge.feedback import TurnFeedback
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.settings import RetentionSettings, WorkerSettings
@@ -63,6 +64,7 @@ class InFlight:
     entry: Entry
     started: float
     task: asyncio.Task | None = None
+    waiting: bool = False  # an episode's turn waiting for its outcome (not being judged)
 
 
 class Worker:
@@ -73,12 +75,18 @@ class Worker:
         judge: Judge,
         metrics: JudgeMetrics,
         settings: WorkerSettings,
+        outcomes: OutcomeWaiter | None = None,
+        max_waiting: int = 0,
     ) -> None:
         self.consumer = consumer
         self.store = store
         self.judge = judge
         self.metrics = metrics
         self.settings = settings
+        # None: episodes' turns are judged like chat turns (episodes off, or opd mode).
+        self.outcomes = outcomes
+        self.max_waiting = max_waiting  # turns waiting for outcomes beside `concurrency`
+        self.waiting = 0
         self.in_flight: dict[str, InFlight] = {}
         self._room = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing is in flight
@@ -93,11 +101,14 @@ class Worker:
         await self.consumer.ensure_group()
         committer = asyncio.create_task(self._commit_forever(), name="judge-committer")
         keeper = asyncio.create_task(self._keep_claimed(), name="judge-keep-claimed")
+        helpers = [committer, keeper]
+        if self.outcomes is not None:
+            helpers.append(asyncio.create_task(self.outcomes.run(stop), name="judge-outcomes"))
         log.info("judge worker %s reading %s", self.consumer.consumer, self.consumer.stream)
         backoff = self.settings.retry_initial_s
         try:
             while not stop.is_set():
-                room = self.settings.concurrency - len(self.in_flight)
+                room = self._room_left()
                 if room <= 0:
                     self._room.clear()
                     await _wait_either(self._room, stop)
@@ -113,9 +124,16 @@ class Worker:
         finally:
             self._stopping = True
             await self._drain()
-            committer.cancel()
-            keeper.cancel()
-            await asyncio.gather(committer, keeper, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    def _room_left(self) -> int:
+        """Turns that may be read now: `concurrency` counts the turns being judged; episodes'
+        turns waiting for their outcome (no engine call) count against `max_waiting` instead."""
+        judging = len(self.in_flight) - self.waiting
+        total = self.settings.concurrency + self.max_waiting - len(self.in_flight)
+        return min(self.settings.concurrency - judging, total)
 
     async def _read_once(self, count: int) -> None:
         entries = await self.consumer.read(count, self.settings.block_ms)
@@ -150,8 +168,9 @@ class Worker:
         turn = view.turn
         with log_context(session_id=turn.session_id, policy_version=turn.policy_version):
             try:
+                episode = await self._episode(item, view)
                 feedback = await self._feedback(turn.turn_id)
-                judgement = await self._judge_with_retry(view, feedback)
+                judgement = await self._judge_with_retry(view, feedback, episode)
             except MalformedTurn as exc:
                 self._forget(item)
                 await self._reject(item.entry, str(exc), _category(exc))
@@ -175,6 +194,23 @@ class Worker:
                 return
             await self._commits.put((item, judgement))
 
+    async def _episode(self, item: InFlight, view: TurnView) -> EpisodeWait | None:
+        """An episode's turn: wait for the episode's outcome (episodes.py), before its feedback
+        is read (feedback given meanwhile is merged too); None for any other turn."""
+        if not view.turn.episode:
+            return None
+        if self.outcomes is None:
+            self.metrics.episode_turns.labels("unused").inc()
+            return None
+        item.waiting = True
+        self.waiting += 1
+        self._room.set()
+        try:
+            return await self.outcomes.wait(session_state_of(view.turn.turn_id))
+        finally:
+            item.waiting = False
+            self.waiting -= 1
+
     async def _feedback(self, turn_id: str) -> TurnFeedback | None:
         """The turn's explicit feedback. Unreadable (Redis trouble): judged without it; the
         commit then audits what was stored as late, so none is lost."""
@@ -187,12 +223,15 @@ class Worker:
             return TurnFeedback()
 
     async def _judge_with_retry(
-        self, view: TurnView, feedback: TurnFeedback | None = None
+        self,
+        view: TurnView,
+        feedback: TurnFeedback | None = None,
+        episode: EpisodeWait | None = None,
     ) -> Judgement:
         delay = self.settings.retry_initial_s
         while True:
             try:
-                return await self.judge.judge(view, feedback)
+                return await self.judge.judge(view, feedback, episode)
             except EngineUnavailable as exc:
                 if self._stopping:
                     raise
@@ -252,6 +291,10 @@ class Worker:
                       judgement.audit.get("mask_reason"))  # fmt: skip
 
     async def _drain(self) -> None:
+        # Turns waiting for an outcome may wait minutes: they stay pending for the next worker.
+        for item in self.in_flight.values():
+            if item.waiting and item.task is not None:
+                item.task.cancel()
         tasks = [item.task for item in self.in_flight.values() if item.task is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)

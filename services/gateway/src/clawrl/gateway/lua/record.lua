@@ -19,7 +19,8 @@
 --       14 turn bytes ('' = the request failed: nothing to store), 15 history hash (with the
 --       reply), 16 done extra ('' = keep the turn pending), 17 epoch for a session state this
 --       request creates, 18 feedback index TTL (0 = feedback off), 19 orphaned extra ('' =
---       the superseded extra: a call spooled by an older gateway).
+--       the superseded extra: a call spooled by an older gateway), 20 episode ('1': the turn
+--       is an episode's, X-Episode; absent on calls spooled by an older gateway).
 -- KEYS[4]: the feedback index of this request's response id (POST /v1/feedback).
 -- Returns {session id, finalised turn id or '', history mismatch 0/1, ambiguous history 0/1,
 --          turn id or '', superseded turn id or '', ambiguous claim 0/1, orphaned turn id or ''}.
@@ -64,6 +65,7 @@ local index = redis.call('HINCRBY', skey, 'next', 1) - 1
 -- The epoch is made with the session's state and is part of every turn id: a session id whose
 -- state expired (TTL) starts again at index 0 under a new epoch, never under an old turn's id.
 redis.call('HSETNX', skey, 'epoch', ARGV[17])
+if ARGV[20] == '1' then redis.call('HSET', skey, 'episode', '1') end
 local tid = sid .. ':' .. redis.call('HGET', skey, 'epoch') .. ':' .. index
 -- Who may rate this turn (POST /v1/feedback): the response id names the turn and its caller
 -- (scope) for longer than the session lives (by session id, the caller's own state names it).
