@@ -9,7 +9,7 @@ import pytest
 from clawrl.common.episodes import Outcome
 from clawrl.common.records import Turn
 from clawrl.gateway.errors import InvalidRequest
-from clawrl.gateway.outcomes import parse_outcome
+from clawrl.gateway.outcomes import parse_outcome, shortened
 from clawrl.gateway.protocol import session_meta
 from clawrl.gateway.recording import ServedTurn, pending_turn
 from clawrl.gateway.sessions import caller_scope
@@ -51,7 +51,6 @@ def test_the_session_may_come_from_the_header_and_a_score_is_an_outcome() -> Non
         ({"outcome": 1}, "name the episode's session with 'session_id'"),
         ({"session_id": "", "outcome": 1}, "session_id"),
         ({"session_id": "s", "outcome": 1, "reward": 1}, "reward"),
-        ({"session_id": "s", "outcome": 1, "detail": "x" * 51}, "detail is 51 characters long"),
         ({"session_id": "s", "outcome": 1, "task_id": 7}, "task_id"),
     ],
 )
@@ -59,6 +58,15 @@ def test_bad_input_is_a_clear_400(body, message: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse(body)
     assert message in caught.value.message and caught.value.status == 400
+
+
+def test_a_long_detail_is_cut_in_the_middle_never_refused() -> None:
+    detail = "start " + "x" * 200 + " the end"
+    got = parse({"session_id": "s", "outcome": 1, "task_id": "", "detail": detail})
+    assert got.task_id == "" and len(got.detail) == 50
+    assert got.detail.startswith("start") and got.detail.endswith("end")
+    assert "[... 164 characters cut ...]" in got.detail
+    assert shortened("short", 50) == "short"
 
 
 def test_an_outcome_round_trips_as_stored() -> None:

@@ -70,7 +70,10 @@ class EpisodeSettings(Section):
         7 * 86400, gt=0, description="How long an episode's outcome (or expiry) is kept."
     )
     max_detail_chars: int = Field(
-        8000, gt=0, description="Gateway: a longer outcome `detail` is refused (400)."
+        8000,
+        gt=100,
+        description="Gateway: a longer outcome `detail` is kept cut in the middle (it is for the "
+        "audit trail; a checker's long output must not cost the outcome).",
     )
 
 

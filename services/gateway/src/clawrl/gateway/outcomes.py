@@ -2,7 +2,8 @@
 session whose main requests say `X-Episode: true`; once the episode ended and the task's checker
 ran, it posts the outcome for the whole session: `{"session_id", "outcome"}` with the outcome in
 [0, 1] (1 success, 0 failure, or the checker's score), optionally the `task_id` (the step_wise
-estimator normalises among the turns of one task) and the checker's `detail` (audited).
+estimator normalises among the turns of one task) and the checker's `detail` (audited; cut in
+the middle past episodes.max_detail_chars).
 
 Who may post it: the caller that made the session (the same API key and `user` as its
 requests): the sender's own session state of that id is read (sessions are per caller), so any
@@ -96,7 +97,7 @@ class OutcomeBody(_Model):
 
     session_id: StrictStr | None = Field(None, min_length=1, max_length=256)
     outcome: Number
-    task_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    task_id: StrictStr | None = Field(None, max_length=256)  # "": none named
     detail: StrictStr | None = None
     user: StrictStr | None = None
 
@@ -138,19 +139,23 @@ def parse_outcome(body: bytes, headers: Mapping[str, str], max_detail_chars: int
             "name the episode's session with 'session_id' (or the X-Session-Id header)",
             param="session_id",
         )
-    detail = parsed.detail or ""
-    if len(detail) > max_detail_chars:
-        raise InvalidRequest(
-            f"detail is {len(detail)} characters long; the limit is {max_detail_chars}",
-            param="detail",
-        )
     return OutcomeRequest(
         session_id=session_id,
         outcome=float(parsed.outcome),
         task_id=parsed.task_id or "",
-        detail=detail,
+        detail=shortened(parsed.detail or "", max_detail_chars),
         scope=request_scope(headers, parsed.user),
     )
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut in the middle to at most `limit` characters, with a visible marker. The
+    detail is for the audit trail only: a checker's long output must not cost the outcome."""
+    if len(text) <= limit:
+        return text
+    marker = f"\n[... {len(text) - limit} characters cut ...]\n"
+    keep = max(limit - len(marker), 0)
+    return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2) :]
 
 
 class OutcomeService:
