@@ -1,8 +1,8 @@
-"""Property-based fuzzing of /v1/responses, /v1/messages and /v1/feedback (hypothesis, bounded
-and reproducible; /v1/chat/completions is test_gateway_fuzz.py's): whatever a client sends, the
-gateway answers in time with a 2xx or a 4xx in the route's own error shape (OpenAI's on
-/v1/responses and /v1/feedback, Anthropic's on /v1/messages), never a 5xx, and a turn recorded
-before the barrage is still finalised with its next state afterwards.
+"""Property-based fuzzing of /v1/responses, /v1/messages, /v1/feedback and /v1/outcomes
+(hypothesis, bounded and reproducible; /v1/chat/completions is test_gateway_fuzz.py's): whatever a
+client sends, the gateway answers in time with a 2xx or a 4xx in the route's own error shape
+(OpenAI's on /v1/responses, /v1/feedback and /v1/outcomes, Anthropic's on /v1/messages), never a
+5xx, and a turn recorded before the barrage is still finalised with its next state afterwards.
 
 Derandomized by default; CLAWRL_FUZZ_SEED=N runs the examples of seed N instead, and
 CLAWRL_FUZZ_EXAMPLES the number of examples per route (default 100)."""
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 SEED = os.environ.get("CLAWRL_FUZZ_SEED") or None
 EXAMPLES = int(os.environ.get("CLAWRL_FUZZ_EXAMPLES", "100"))
 TIMEOUT = httpx.Timeout(30.0)  # every request is answered within this (a hang fails the test)
-ROUTES = ("/v1/responses", "/v1/messages", "/v1/feedback")
+ROUTES = ("/v1/responses", "/v1/messages", "/v1/feedback", "/v1/outcomes")
 INCLUDES = ["message.output_text.logprobs", "reasoning.encrypted_content"]
 
 junk = json_values
@@ -274,6 +274,24 @@ def feedback_bodies(session_ids: list[str], response_ids: list[str]) -> st.Searc
     return sometimes(both, guessed)
 
 
+# --- /v1/outcomes -----------------------------------------------------------------------------
+def outcome_bodies(session_ids: list[str]) -> st.SearchStrategy[dict]:
+    outcome = usually(
+        st.floats(0, 1) | st.integers(0, 1), st.floats(1.01, 9) | st.floats(-9, -0.01) | junk
+    )
+    body = st.fixed_dictionaries(
+        {"outcome": outcome},
+        optional={
+            "session_id": usually(st.sampled_from(session_ids), st.text(max_size=8)),
+            "task_id": texts,
+            "detail": texts,
+            "user": texts,
+        },
+    )
+    # Not fields of the API (a 400): what a client might guess.
+    return sometimes(body, st.fixed_dictionaries({}, optional={"reward": junk, "score": junk}))
+
+
 # The chat fuzzer's session and key headers, with Anthropic's and feedback's own.
 headers = st.tuples(
     chat_headers,
@@ -349,8 +367,15 @@ def check_feedback(reply: httpx.Response) -> None:
     assert body["object"] == "feedback" and body["status"] in ("accepted", "late"), body
 
 
+def check_outcome(reply: httpx.Response) -> None:
+    if reply.status_code >= 400:
+        return openai_error(reply)
+    body = reply.json()
+    assert body["object"] == "episode.outcome" and body["status"] in ("accepted", "late"), body
+
+
 CHECKS = {"/v1/responses": check_responses, "/v1/messages": check_messages,
-          "/v1/feedback": check_feedback}  # fmt: skip
+          "/v1/feedback": check_feedback, "/v1/outcomes": check_outcome}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -373,10 +398,13 @@ def test_no_request_to_the_other_routes_gives_a_5xx_a_hang_or_a_lost_turn(fuzzed
     # Real ids for the fuzzed requests to continue and rate (never the kept session's).
     target = f"fuzz-target-{uuid.uuid4().hex[:8]}"
     rated = respond(fuzzed, {"input": "rate me"}, target).json()["id"]
+    played = f"fuzz-episode-{uuid.uuid4().hex[:8]}"  # an episode, for outcomes to be accepted
+    respond(fuzzed, {"input": "play me"}, played, **{"X-Episode": "true"})
     strategies = {
         "/v1/responses": payloads(responses_bodies([rated])),
         "/v1/messages": payloads(messages_bodies),
         "/v1/feedback": payloads(feedback_bodies([target], [rated])),
+        "/v1/outcomes": payloads(outcome_bodies([played])),
     }
     sent: Counter[tuple[str, int]] = Counter()
 

@@ -25,7 +25,9 @@ def oversized(gateway, route: str) -> float:
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/feedback"])
+@pytest.mark.parametrize(
+    "route", ["/v1/chat/completions", "/v1/responses", "/v1/feedback", "/v1/outcomes"]
+)
 def test_a_body_over_the_limit_is_an_openai_413(gateway, route, chunked):
     body = oversized_body()
     before = oversized(gateway, route)
