@@ -9,6 +9,7 @@ running to its end in the background, so the turn is recorded or spooled, never 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -123,15 +124,22 @@ class TurnContext:
     """A main request's session as known when it arrived."""
 
     request_id: str  # keys the record script's write, so a retried write is a no-op
-    session_id: str  # "" until recorded, when the client sent none
+    session_id: str  # "" until prepared, when the client sent none
     explicit: bool  # the client named the session
     scope: str  # caller_scope of the client: its anonymous conversations' namespace
-    hashes: list[str]  # history_hashes of the request's messages
-    prefixes: list[str]  # assistant_prefixes: histories this request may continue
-    next_state: list[dict[str, Any]]  # next_state_messages of the request
+    messages: list[dict[str, Any]]  # as rendered: what the history hashes are of
+    raw_messages: list[dict[str, Any]]  # as sent: the next state, the turn's messages_json
     done: bool
+    api: str = "chat"
     arrived: float = field(default_factory=time.time)  # turns stored later are siblings
     settled: bool = False  # recorded (or abandoned): nothing more to write for it
+    # The request's share of the record, worked out by Recorder.prepare while the engine
+    # generates (or, at the latest, when the request is recorded):
+    hashes: list[str] = field(default_factory=list)  # history_hashes of `messages`
+    prefixes: list[str] = field(default_factory=list)  # assistant_prefixes: what it may continue
+    next_state: bytes = b""  # finalize_fields of the next state it is, less finalized_at
+    turn_head: bytes | None = None  # its pending Turn's request fields (request_fields)
+    prepared: bool = False  # hashes, prefixes, next state and session id are set
 
 
 @dataclass
@@ -165,14 +173,19 @@ def _timestamp(ns: int | None = None) -> Timestamp:
     return stamp
 
 
-def finalize_extra(
+# Serialised protobuf messages merge when concatenated (singular fields: the last one wins;
+# repeated ones: appended), so a record is built from parts serialised apart: what is known
+# when the request arrives is serialised while the engine generates, the time stamps last.
+
+
+def finalize_fields(
     gateway_id: str,
     reason: int,
     next_state: Sequence[dict[str, Any]] = (),
     history_mismatch: bool = False,
 ) -> bytes:
-    """The finalisation fields, serialised; appended to a pending turn's bytes they merge in."""
-    turn = Turn(finalize_reason=reason, gateway_id=gateway_id, finalized_at=_timestamp())
+    """The finalisation fields but `finalized_at`, serialised."""
+    turn = Turn(finalize_reason=reason, gateway_id=gateway_id)
     if next_state:
         turn.next_state_messages_json.extend(orjson.dumps(m).decode() for m in next_state)
         turn.next_state_json = turn.next_state_messages_json[-1]
@@ -181,19 +194,56 @@ def finalize_extra(
     return turn.SerializeToString()
 
 
-def pending_turn(request_id: str, served: ServedTurn) -> bytes:
-    """A served turn as stored while it waits for its next state (the record script adds its
-    session id, turn id and index: an anonymous request's session is only known in there)."""
+# Those of a bare reason are the same for every request of a gateway.
+reason_fields = functools.lru_cache(maxsize=64)(finalize_fields)
+
+
+def finalized_at(ns: int | None = None) -> bytes:
+    """`finalized_at` alone, serialised: appended after finalize_fields."""
+    return Turn(finalized_at=_timestamp(ns)).SerializeToString()
+
+
+def finalize_extra(
+    gateway_id: str,
+    reason: int,
+    next_state: Sequence[dict[str, Any]] = (),
+    history_mismatch: bool = False,
+) -> bytes:
+    """The finalisation fields, serialised; appended to a pending turn's bytes they merge in."""
+    return finalize_fields(gateway_id, reason, next_state, history_mismatch) + finalized_at()
+
+
+def request_fields(
+    request_id: str,
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    prompt_ids: list[int],
+) -> bytes:
+    """The fields of a pending Turn that the request alone decides (the bulk of it, in a long
+    conversation), serialised: made while the engine generates (Recorder.prepare)."""
     return Turn(
         request_id=request_id,
-        model=served.model,
+        model=model,
+        messages_json=orjson.dumps(messages).decode(),
+        tools_json=orjson.dumps(tools).decode() if tools else "",
+        prompt_ids=prompt_ids,
+    ).SerializeToString()
+
+
+def pending_turn(request_id: str, served: ServedTurn, head: bytes | None = None) -> bytes:
+    """A served turn as stored while it waits for its next state (the record script adds its
+    session id, turn id and index: an anonymous request's session is only known in there).
+    `head`: its request_fields, if they were made ahead."""
+    if head is None:
+        head = request_fields(
+            request_id, served.model, served.messages, served.tools, served.prompt_ids
+        )
+    reply = Turn(
         policy_version=served.policy_version,
         admitted_policy_version=served.admitted_policy_version,
         weight_version=served.weight_version,
         unknown_weights=served.unknown_weights,
-        messages_json=orjson.dumps(served.messages).decode(),
-        tools_json=orjson.dumps(served.tools).decode() if served.tools else "",
-        prompt_ids=served.prompt_ids,
         response_ids=served.response_ids,
         response_logprobs=served.response_logprobs,
         response_text=served.response_text,
@@ -206,6 +256,7 @@ def pending_turn(request_id: str, served: ServedTurn) -> bytes:
         probe=served.probe,
         episode=served.episode,
     ).SerializeToString()
+    return head + reply
 
 
 class Recorder:
@@ -245,6 +296,9 @@ class Recorder:
             extra={"session_id": session_id},
         )
 
+    def _finalize_fields(self, reason: int) -> bytes:
+        return reason_fields(self.gateway_id, reason)
+
     def _finalized(self, reason: str, turn_id: str | None) -> None:
         if turn_id:
             self.metrics.turns_finalized.labels(reason).inc()
@@ -260,19 +314,50 @@ class Recorder:
         done: bool,
         api: str = "chat",
     ) -> TurnContext:
-        """What a main request's recording needs from the request itself (pure: Redis is
-        written once, when the request ends, by `finish` or `abandon`)."""
-        hashes = history_hashes(messages, api)
+        """A main request's recording, begun when it arrives (pure and cheap: the work is
+        `prepare`'s; Redis is written once, when the request ends, by `finish` or `abandon`)."""
         return TurnContext(
             request_id=request_id,
             session_id=session_id or "",
             explicit=session_id is not None,
             scope=scope,
-            hashes=hashes,
-            prefixes=assistant_prefixes(messages, hashes),
-            next_state=next_state_messages(raw_messages),
+            messages=messages,
+            raw_messages=raw_messages,
             done=done,
+            api=api,
         )
+
+    def prepare(
+        self,
+        context: TurnContext,
+        *,
+        model: str,
+        tools: list[dict[str, Any]] | None,
+        prompt_ids: list[int],
+    ) -> None:
+        """What the record takes from the request alone (history hashes, the next state, the
+        turn's request fields: in a long conversation most of its CPU), worked out while the
+        engine generates, so that little is left between the reply and the response."""
+        self._prepare_history(context)
+        if context.turn_head is None:
+            context.turn_head = request_fields(
+                context.request_id, model, context.raw_messages, tools, prompt_ids
+            )
+
+    def _prepare_history(self, context: TurnContext) -> None:
+        """The part of `prepare` that a failed request's record needs too."""
+        if context.prepared:
+            return
+        context.hashes = history_hashes(context.messages, context.api)
+        context.prefixes = assistant_prefixes(context.messages, context.hashes)
+        context.next_state = finalize_fields(
+            self.gateway_id,
+            FinalizeReason.FINALIZE_REASON_NEXT_STATE,
+            next_state_messages(context.raw_messages),
+        )
+        if not context.session_id:
+            context.session_id = f"anon-{uuid.uuid4().hex}"  # used unless a session matches
+        context.prepared = True
 
     async def finish(self, context: TurnContext, served: ServedTurn) -> str | None:
         """Finalise the session's pending turn with this request's next state and store the
@@ -298,35 +383,30 @@ class Recorder:
         if context.settled:
             return None
         context.settled = True
-        if not context.session_id:
-            context.session_id = f"anon-{uuid.uuid4().hex}"  # used unless a session matches
+        self._prepare_history(context)
         if served is None:
             turn, history_hash = b"", ""
         else:
-            turn = pending_turn(context.request_id, served)
+            turn = pending_turn(context.request_id, served, context.turn_head)
             history_hash = extend_hash(context.hashes[-1], served.response_message)
+        now_ns = time.time_ns()
+        stamp = finalized_at(now_ns)
         call = SpooledCall("record", {
             "request_id": context.request_id,
             "session_id": context.session_id if context.explicit else None,
             "scope": context.scope,
             "arrived": context.arrived,
-            "now": time.time(),
+            "now": now_ns / 1e9,
             "prefixes": context.prefixes if context.explicit or self.anonymous_matching else [],
-            "next_state": finalize_extra(
-                self.gateway_id, FinalizeReason.FINALIZE_REASON_NEXT_STATE, context.next_state
-            ),
+            "next_state": context.next_state + stamp,
             "mismatch": MISMATCH,
-            "superseded": finalize_extra(
-                self.gateway_id, FinalizeReason.FINALIZE_REASON_SUPERSEDED
-            ),
-            "orphaned": finalize_extra(
-                self.gateway_id, FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN
-            ),
+            "superseded": self._finalize_fields(FinalizeReason.FINALIZE_REASON_SUPERSEDED) + stamp,
+            "orphaned": self._finalize_fields(FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN) + stamp,
             "new_session_id": context.session_id,
             "turn": turn,
             "history_hash": history_hash,
             "request_hash": context.hashes[-1],
-            "done": finalize_extra(self.gateway_id, FinalizeReason.FINALIZE_REASON_SESSION_DONE)
+            "done": self._finalize_fields(FinalizeReason.FINALIZE_REASON_SESSION_DONE) + stamp
             if context.done
             else b"",
         })  # fmt: skip

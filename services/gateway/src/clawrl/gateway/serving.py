@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.logs import log_context
@@ -51,6 +51,8 @@ from clawrl.gateway.recording import (
 from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+SEND_PASSES = 2  # event-loop passes an engine call takes to write its request (_preparing)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,32 @@ class ChatService:
             api=request.api,
         )
 
+    async def _preparing(
+        self,
+        call: Awaitable[T],
+        request: ChatRequest,
+        turn: TurnContext | None,
+        prompt_ids: list[int],
+    ) -> T:
+        """The engine's `call`, awaited while the turn's record is prepared (its CPU work that
+        needs only the request): the request goes out first, so this work overlaps the engine's
+        instead of following its reply."""
+        if turn is None or self.recorder is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            # Two passes of the event loop: the call's own, then the one in which aiohttp's
+            # writer task (started by the call) writes the request.
+            for _ in range(SEND_PASSES):
+                await asyncio.sleep(0)
+            self.recorder.prepare(
+                turn, model=self.model_name, tools=request.tools, prompt_ids=prompt_ids
+            )
+        except BaseException:
+            task.cancel()
+            raise
+        return await task
+
     # --- building responses -------------------------------------------------------------
 
     def _count_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
@@ -308,7 +336,9 @@ class ChatService:
         turn = self._begin_turn(request, request_id)
         try:
             async with self.gate.admit(request.session.tenant) as admitted:
-                reply = await self.engine.generate(routed(payload, admitted))
+                reply = await self._preparing(
+                    self.engine.generate(routed(payload, admitted)), request, turn, prompt_ids
+                )
             generation = Generation()
             generation.update(reply)
         except Exception as exc:
@@ -354,7 +384,7 @@ class ChatService:
         try:
             admitted = await admission.enter_async_context(self.gate.admit(request.session.tenant))
             events = self.engine.generate_stream(routed(payload, admitted))
-            first = await anext(events)
+            first = await self._preparing(anext(events), request, turn, prompt_ids)
         except BaseException as exc:
             if events is not None:
                 await events.aclose()
