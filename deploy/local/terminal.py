@@ -7,7 +7,9 @@ and plot in <run-dir>/agent). The chat track starts neither."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
+import tempfile
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -71,12 +73,20 @@ def training_env(args: argparse.Namespace) -> dict[str, str]:
     return {}
 
 
+def sandbox_root(run_dir: Path) -> Path:
+    """Where the stack's sandboxes live: one directory per run dir under the system's temp dir
+    (a restarted stack finds and removes its leftovers there, and two stacks never share one).
+    Not under the run dir: a root service runs sandboxes as another uid (sandbox.run_as_uid),
+    which must traverse every directory above them, and a run dir may sit under a 0700 one."""
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"clawrl-sandboxes-{key}"
+
+
 def sandbox_service(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The sandbox service's command and settings; its sandboxes live under the run dir."""
-    root = args.run_dir / "sandboxes"
-    root.mkdir(parents=True, exist_ok=True)
-    # A root service runs sandboxes as another uid (leases.run_as_uid), which must reach them.
-    root.chmod(0o711)
+    """The sandbox service's command and settings."""
+    root = sandbox_root(args.run_dir)
+    root.mkdir(exist_ok=True)
+    root.chmod(0o711)  # the sandbox uid passes through, lists nothing
     env = {
         "CLAWRL_ENVIRONMENTS_SERVER__HOST": "127.0.0.1",
         "CLAWRL_ENVIRONMENTS_SERVER__PORT": str(args.environments_port),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -73,7 +74,12 @@ def test_the_runner_plays_the_train_split_until_stopped_with_held_out_evaluation
     assert Path(service[0]).name == "clawrl-environments"
     assert env["CLAWRL_ENVIRONMENTS_SERVER__PORT"] == "4001"
     root = Path(env["CLAWRL_SANDBOX__ROOT_DIR"])
-    assert root == tmp_path / "sandboxes" and root.stat().st_mode & 0o777 == 0o711
+    # Outside the run dir (which may sit under a 0700 directory the sandbox uid cannot pass),
+    # one per run dir, the same one again for a restarted stack.
+    assert root.parent == Path(tempfile.gettempdir()) and root.stat().st_mode & 0o777 == 0o711
+    assert root == terminal.sandbox_root(tmp_path / "." / "")
+    assert root != terminal.sandbox_root(tmp_path / "other")
+    root.rmdir()
 
 
 def test_make_run_leaves_the_chat_reward_plugin_out_of_the_terminal_track() -> None:
