@@ -394,6 +394,7 @@ def registries() -> dict[str, CollectorRegistry]:
     from clawrl.common.metrics import GarbageCollection
     from clawrl.engine.metrics import EngineMetrics
     from clawrl.environments.metrics import EnvironmentsMetrics
+    from clawrl.environments.runner_metrics import RunnerMetrics
     from clawrl.gateway.metrics import GatewayMetrics
     from clawrl.judge.metrics import JudgeMetrics
     from clawrl.trainer.metrics import TrainerMetrics
@@ -406,6 +407,7 @@ def registries() -> dict[str, CollectorRegistry]:
         "trainer": TrainerMetrics().registry,
         "weight-sync": WeightSyncMetrics().registry,
         "environments": EnvironmentsMetrics().registry,
+        "agent-runner": RunnerMetrics().registry,
     }
     for service in ("gateway", "engine"):  # installed by the serving processes at start
         out[service].register(GarbageCollection(service))
