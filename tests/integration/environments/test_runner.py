@@ -252,3 +252,38 @@ def test_until_stopped_with_the_held_out_split_evaluated_beside(gateway, service
     assert {e["outcome"] for e in trained} == {"accepted"}
     assert held_out[0]["outcome"] == "skipped"  # side turns: nothing posted
     assert leases(service) == []
+
+
+def test_clawrl_eval_terminal_held_out_and_base_rate(gateway, service, tmp_path):
+    tasks, out = mkdir_tasks(tmp_path / "tasks"), tmp_path / "eval"
+    common = [str(VENV_BIN / "clawrl"), "eval", "--track", "terminal", "--base-url",
+              gateway.base_url, "--environments-url", service.url, "--tasks-dir", str(tasks),
+              "--out-dir", str(out), "--heartbeat-s", "0.5"]  # fmt: skip
+    held_out = subprocess.run(common, capture_output=True, text=True, timeout=300)
+    assert held_out.returncode == 0, held_out.stderr
+    [episode] = lines_of(next(out.glob("eval-*.jsonl")))
+    assert (episode["task_id"], episode["outcome"]) == ("mkdir.held", "skipped")
+    assert episode["transcript"][0] == {
+        "role": "user",
+        "content": "Create a directory named backup.",
+    }
+    csv = (out / "terminal-held-out.csv").read_text().splitlines()
+    assert csv[1].split(",")[:5] == [
+        "0",
+        "1",
+        str(int(episode["passed"])),
+        f"{episode['score']:.4f}",
+        "1",
+    ]
+
+    base = subprocess.run([*common, "--base-rate", "--attempts", "2"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert base.returncode == 0, base.stderr
+    played = [e for f in out.glob("eval-*.jsonl") for e in lines_of(f) if e["split"] == "train"]
+    assert len(played) == 2 and {e["task_id"] for e in played} == {"mkdir.limit"}
+    rows = (out / "terminal-base-rate.csv").read_text().splitlines()
+    passed = sum(e["passed"] for e in played)
+    assert f"train,mkdir,1,2,{passed},{passed / 2:.4f},0" in rows
+    assert "| train | mkdir | 1 | 2 |" in base.stdout
+    assert (out / "terminal-base-rate.png").read_bytes()[:4] == b"\x89PNG"
+    assert leases(service) == []

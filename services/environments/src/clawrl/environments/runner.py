@@ -84,6 +84,12 @@ def add_connection_args(parser: argparse.ArgumentParser, *, gateway: bool = True
         default=os.environ.get("CLAWRL_ENVIRONMENTS_SERVER__TOKEN"),
         help="its bearer token, if it has one",
     )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=10.0,
+        help="seconds between a lease's heartbeats (below the service's leases.ttl_s)",
+    )
 
 
 def add_task_args(parser: argparse.ArgumentParser, split: str) -> None:
@@ -153,12 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transcripts",
         action="store_true",
         help="keep each episode's messages (from the instruction on) in its JSON line",
-    )
-    parser.add_argument(
-        "--heartbeat-s",
-        type=float,
-        default=10.0,
-        help="seconds between a lease's heartbeats (below the service's leases.ttl_s)",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics (0: off)")
     parser.add_argument(
