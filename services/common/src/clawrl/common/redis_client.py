@@ -4,12 +4,14 @@ with the same options; the Lua scripts the services run, alone or many calls in 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from clawrl.common.settings import RedisSettings
@@ -26,21 +28,75 @@ def is_cluster(redis: Any) -> bool:
     return isinstance(redis, RedisCluster)
 
 
+def pack_command(*args: Any) -> bytes:
+    """A command in Redis's protocol (RESP), its arguments encoded as redis-py encodes them
+    (bytes as they are, str as UTF-8, int and float by repr), in one bytes object."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, bool) or not isinstance(arg, (bytes, int, float)):
+            raise TypeError(f"a Redis argument must be bytes, str, int or float, not {arg!r}")
+        elif not isinstance(arg, bytes):
+            arg = repr(arg).encode()
+        out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+async def direct_command(redis: Redis, *args: Any) -> Any:
+    """One command on a connection of `redis`'s pool, sent once, past redis-py's per-command
+    layers: its observability hooks and response callbacks (the reply is the raw one; EVAL and
+    EVALSHA have none), the task `asyncio.wait_for` starts for every send of a client with a
+    socket timeout (a client without one, bounded by its caller, saves two passes of the event
+    loop a call), and `get_connection`'s poll of the socket for data left over (a timer and a
+    cancelled read: two passes more). None is left over: redis-py closes a connection whose send
+    or read was interrupted, as it would be here. A connection the server closed fails the read
+    with a ConnectionError; nothing is retried here (see Script)."""
+    command = pack_command(*args)
+    pool = redis.connection_pool
+    conn = pool.get_available_connection()
+    try:
+        await conn.send_packed_command(command)
+        return await conn.read_response()
+    finally:
+        await pool.release(conn)
+
+
 class Script:
     """A Lua script, run by its SHA1. A node that does not know it (its first use there; a node
     restarted, or a replica promoted by a failover) answers NOSCRIPT without running it, and is
     sent the source (EVAL), which runs it and caches it on that very node. redis-py's own reload
     (SCRIPT LOAD) goes to a node of the client's choosing: redis-py 7's cluster client loads it
-    elsewhere than a promoted replica, and every call after the failover failed with NOSCRIPT."""
+    elsewhere than a promoted replica, and every call after the failover failed with NOSCRIPT.
+    `direct`: calls go by direct_command (one Redis server, no cluster), for a hot path; a call
+    cut by a connection error (a pooled connection the server had closed, a server restarted) is
+    sent once more on a new connection, so a direct script must be idempotent (the gateway's
+    session scripts are, by request id). `timeout_s` bounds each call, both tries (for a client
+    made without a socket timeout)."""
 
-    def __init__(self, redis: Redis, source: str) -> None:
+    def __init__(
+        self, redis: Redis, source: str, *, direct: bool = False, timeout_s: float | None = None
+    ) -> None:
         self.redis = redis
+        self.timeout_s = timeout_s
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        # A cluster client routes by key slot, and a single-connection client has no pool.
+        self.direct = direct and isinstance(redis, Redis) and redis.connection is None
 
     async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        async with asyncio.timeout(self.timeout_s):
+            return await self._run(keys, args)
+
+    async def _run(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         try:
-            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+            if not self.direct:
+                return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+            try:
+                return await direct_command(self.redis, *command)
+            except RedisConnectionError:
+                return await direct_command(self.redis, *command)
         except NoScriptError:
             return await self.redis.eval(self.source, len(keys), *keys, *args)
 

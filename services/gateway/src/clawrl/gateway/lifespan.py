@@ -80,6 +80,7 @@ class Running:
         await self.control.stop(grace=2)
         await gateway.engine.aclose()
         await gateway.redis.aclose()
+        await recorder.store.redis.aclose()
         gateway.service.close()
 
 
@@ -93,7 +94,7 @@ async def start_gateway(
     engine = create_engine(settings)
     redis = create_redis(settings)
     gate = await open_gate(settings, metrics, engine, redis)
-    store = create_session_store(settings, redis)
+    store = create_session_store(settings, create_redis(settings, socket_timeout=False))
     recorder = create_recorder(settings, metrics, store)
     service = create_service(settings, metrics, chat, engine, gate, recorder, model_dir)
     token = settings.control.token.get_secret_value() if settings.control.token else None
@@ -182,8 +183,11 @@ async def open_gate(
 
 
 def create_session_store(settings: GatewaySettings, redis: Redis) -> SessionStore:
+    """`redis`: a client of its own, made without a socket timeout: the store bounds each
+    call (`redis.socket_timeout_s`), and its scripts take redis-py's shortest way there."""
     return SessionStore(
         redis,
+        timeout_s=settings.redis.socket_timeout_s,
         prefix=settings.sessions.key_prefix,
         stream=settings.redis.turns_stream,
         shards=settings.redis.shards(),
@@ -294,11 +298,13 @@ async def engine_policy_version(engine: SGLangClient) -> int | None:
         return None
 
 
-def create_redis(settings: GatewaySettings) -> Redis:
+def create_redis(settings: GatewaySettings, *, socket_timeout: bool = True) -> Redis:
+    """The gateway's Redis client. `socket_timeout=False`: its calls are bounded by their
+    caller instead (redis-py starts a task for every send of a client with a socket timeout)."""
     # One quick retry at most: with Redis down, recording must fail fast, not stall serving.
     return redis_client.connect(
         settings.redis,
-        socket_timeout=settings.redis.socket_timeout_s,
+        socket_timeout=settings.redis.socket_timeout_s if socket_timeout else None,
         socket_connect_timeout=settings.redis.socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
         health_check_interval=30,

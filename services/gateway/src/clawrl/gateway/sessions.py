@@ -50,6 +50,7 @@ hash slot), so the scripts run unchanged on a cluster.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import time
@@ -198,8 +199,12 @@ class SessionStore:
         dedupe_ttl_s: int = 120,
         feedback_ttl_s: int = 0,
         shards: Shards | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.redis = redis
+        # A bound on each Redis call, for a client made without a socket timeout (whose
+        # scripts go by direct_command, the fast way); None: the client's own timeouts.
+        self.timeout_s = timeout_s
         self.prefix = prefix
         self.stream = stream
         shards = shards or Shards()
@@ -212,7 +217,13 @@ class SessionStore:
         self.feedback_ttl_s = feedback_ttl_s  # 0: no feedback index
         self.active_keys = [f"{p}:active" for p in self.prefixes]
         self.active_key = self.active_keys[0]
-        self._scripts = {name: Script(redis, load_script(name)) for name in SCRIPTS}
+        self._scripts = {
+            name: Script(redis, load_script(name), direct=True, timeout_s=timeout_s)
+            for name in SCRIPTS
+        }
+
+    def _bounded(self) -> asyncio.Timeout:
+        return asyncio.timeout(self.timeout_s)
 
     def session_key(self, session_id: str, scope: str) -> str:
         """The state of caller `scope`'s session `session_id`."""
@@ -255,7 +266,8 @@ class SessionStore:
         for shard in range(self.shards.count):
             keys = [self.request_key(request_id, "record", shard)]
             keys += [self.conversation_key(scope, h, shard) for h in prefixes]
-            replies.append(await self.redis.mget(keys))
+            async with self._bounded():
+                replies.append(await self.redis.mget(keys))
         for earlier, *_ in replies:
             if earlier is not None:
                 return orjson.loads(earlier)[0], False
@@ -368,12 +380,14 @@ class SessionStore:
         found: list[str] = []
         for key in self.active_keys:
             if len(found) < limit:
-                ids = await self.redis.zrangebyscore(key, "-inf", cutoff, 0, limit - len(found))
+                async with self._bounded():
+                    ids = await self.redis.zrangebyscore(key, "-inf", cutoff, 0, limit - len(found))
                 found += [_text(s) for s in ids]
         return found
 
     async def active_count(self) -> int:
-        return sum([int(await self.redis.zcard(key)) for key in self.active_keys])
+        async with self._bounded():
+            return sum([int(await self.redis.zcard(key)) for key in self.active_keys])
 
 
 def _text(value: Any) -> str:
