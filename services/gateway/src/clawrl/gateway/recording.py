@@ -3,8 +3,8 @@ served, and finalised (put on the turns stream) by the session's next main reque
 X-Session-Done, or by the idle sweep. Redis trouble never fails a request: the step is counted
 and logged, the script call waits in the local spool (spool.py), and it is replayed in order
 when Redis answers again (redis-py reconnects by itself). A write outlives its request: a client
-that hangs up while its turn is being written (which cancels the request) leaves the write
-running to its end in the background, so the turn is recorded or spooled, never lost."""
+that hangs up while its turn is being written (which cancels the request) has the write run again
+in the background (idempotent), so the turn is recorded or spooled, never lost."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -173,9 +173,8 @@ def _timestamp(ns: int | None = None) -> Timestamp:
     return stamp
 
 
-# Serialised protobuf messages merge when concatenated (singular fields: the last one wins;
-# repeated ones: appended), so a record is built from parts serialised apart: what is known
-# when the request arrives is serialised while the engine generates, the time stamps last.
+# Serialised protobuf messages merge when concatenated (the last singular field wins, repeated
+# ones append): a record is made of parts, the request's while the engine generates.
 
 
 def finalize_fields(
@@ -413,7 +412,7 @@ class Recorder:
         call.kwargs.update({"episode": True} if served is not None and served.episode else {})
         if self._queue_behind_spool(call):
             return None
-        return await self._outliving_request(self._write(context, call), context.session_id)
+        return await self._outliving_request(lambda: self._write(context, call), context.session_id)
 
     async def _write(self, context: TurnContext, call: SpooledCall) -> Recorded | None:
         try:
@@ -427,17 +426,18 @@ class Recorder:
             self._ambiguous("new_session", context.session_id)
         return result
 
-    async def _outliving_request(self, write: Coroutine[Any, Any, T], session_id: str) -> T:
-        """Await a recording write that runs on when the request awaiting it is cancelled.
-        The write is marked settled before it starts (nothing else may write for the request),
-        so a cancelled await that stopped it would lose the turn: a streaming client hanging
-        up mid-write cancels the request, and CancelledError is no recording error."""
-        task = asyncio.create_task(write)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _outliving_request(self, write: Callable[[], Awaitable[T]], session_id: str) -> T:
+        """A recording write, awaited in the request (no task: none of its passes of the loop)
+        and run again in the background if the request is cancelled mid-write (a streaming
+        client hanging up): it is marked settled, so nothing else would write it. Both scripts
+        are idempotent by request id: a call that went through returns its first result, one
+        that did not (cut while sent, or never sent) runs now; its metrics count once."""
         try:
-            return await asyncio.shield(task)
+            return await write()
         except asyncio.CancelledError:
+            task = asyncio.create_task(write())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             self.metrics.recording_detached.inc()
             log.info("the client left while its turn was being written: the write goes on "
                      "in the background", extra={"session_id": session_id})  # fmt: skip
@@ -500,7 +500,7 @@ class Recorder:
         })  # fmt: skip
         if self._queue_behind_spool(call):
             return None
-        return await self._outliving_request(self._close_now(call), session_id)
+        return await self._outliving_request(lambda: self._close_now(call), session_id)
 
     async def _close_now(self, call: SpooledCall) -> str | None:
         try:
