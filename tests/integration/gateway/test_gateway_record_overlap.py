@@ -1,4 +1,4 @@
-"""A main turn's record is prepared while the engine generates (ChatService._preparing): the
+"""A main turn's record is prepared while the engine generates (ChatService._prepare_meanwhile): the
 engine request must be on the wire before that CPU work starts, or it only delays the request.
 The engine here is a plain socket server in a thread: while `prepare` runs, the event loop is
 held, so only a request already written to the kernel can reach it (on a kept-alive engine

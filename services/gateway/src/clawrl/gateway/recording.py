@@ -295,9 +295,6 @@ class Recorder:
             extra={"session_id": session_id},
         )
 
-    def _finalize_fields(self, reason: int) -> bytes:
-        return reason_fields(self.gateway_id, reason)
-
     def _finalized(self, reason: str, turn_id: str | None) -> None:
         if turn_id:
             self.metrics.turns_finalized.labels(reason).inc()
@@ -337,6 +334,8 @@ class Recorder:
         """What the record takes from the request alone (history hashes, the next state, the
         turn's request fields: in a long conversation most of its CPU), worked out while the
         engine generates, so that little is left between the reply and the response."""
+        if context.settled:  # recorded already (the engine call failed at once)
+            return
         self._prepare_history(context)
         if context.turn_head is None:
             context.turn_head = request_fields(
@@ -388,7 +387,7 @@ class Recorder:
         else:
             turn = pending_turn(context.request_id, served, context.turn_head)
             history_hash = extend_hash(context.hashes[-1], served.response_message)
-        now_ns = time.time_ns()
+        now_ns, reason = time.time_ns(), functools.partial(reason_fields, self.gateway_id)
         stamp = finalized_at(now_ns)
         call = SpooledCall("record", {
             "request_id": context.request_id,
@@ -399,13 +398,13 @@ class Recorder:
             "prefixes": context.prefixes if context.explicit or self.anonymous_matching else [],
             "next_state": context.next_state + stamp,
             "mismatch": MISMATCH,
-            "superseded": self._finalize_fields(FinalizeReason.FINALIZE_REASON_SUPERSEDED) + stamp,
-            "orphaned": self._finalize_fields(FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN) + stamp,
+            "superseded": reason(FinalizeReason.FINALIZE_REASON_SUPERSEDED) + stamp,
+            "orphaned": reason(FinalizeReason.FINALIZE_REASON_RETRY_ORPHAN) + stamp,
             "new_session_id": context.session_id,
             "turn": turn,
             "history_hash": history_hash,
             "request_hash": context.hashes[-1],
-            "done": self._finalize_fields(FinalizeReason.FINALIZE_REASON_SESSION_DONE) + stamp
+            "done": reason(FinalizeReason.FINALIZE_REASON_SESSION_DONE) + stamp
             if context.done
             else b"",
         })  # fmt: skip

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from clawrl.common.chat import ChatRenderer
 from clawrl.common.logs import log_context
@@ -51,8 +52,6 @@ from clawrl.gateway.recording import (
 from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-SEND_PASSES = 2  # event-loop passes an engine call takes to write its request (_preparing)
 
 
 @dataclass(frozen=True)
@@ -183,31 +182,26 @@ class ChatService:
             api=request.api,
         )
 
-    async def _preparing(
-        self,
-        call: Awaitable[T],
-        request: ChatRequest,
-        turn: TurnContext | None,
-        prompt_ids: list[int],
-    ) -> T:
-        """The engine's `call`, awaited while the turn's record is prepared (its CPU work that
-        needs only the request): the request goes out first, so this work overlaps the engine's
-        instead of following its reply."""
+    def _prepare_meanwhile(
+        self, request: ChatRequest, turn: TurnContext | None, prompt_ids: list[int]
+    ) -> None:
+        """Have the turn's record prepared (its CPU work that needs only the request) once the
+        engine call about to be awaited has written its request: two passes of the event loop
+        on, the call's own and the one in which aiohttp's writer task writes. The work then
+        overlaps the engine's instead of following its reply, and the call itself starts at
+        once (no task of its own: none of its passes). A callback's failure is the loop's to
+        log; the record then works it all out itself."""
         if turn is None or self.recorder is None:
-            return await call
-        task = asyncio.ensure_future(call)
-        try:
-            # Two passes of the event loop: the call's own, then the one in which aiohttp's
-            # writer task (started by the call) writes the request.
-            for _ in range(SEND_PASSES):
-                await asyncio.sleep(0)
-            self.recorder.prepare(
-                turn, model=self.model_name, tools=request.tools, prompt_ids=prompt_ids
-            )
-        except BaseException:
-            task.cancel()
-            raise
-        return await task
+            return
+        loop = asyncio.get_running_loop()
+        prepare = functools.partial(
+            self.recorder.prepare,
+            turn,
+            model=self.model_name,
+            tools=request.tools,
+            prompt_ids=prompt_ids,
+        )
+        loop.call_soon(loop.call_soon, prepare)
 
     # --- building responses -------------------------------------------------------------
 
@@ -336,9 +330,8 @@ class ChatService:
         turn = self._begin_turn(request, request_id)
         try:
             async with self.gate.admit(request.session.tenant) as admitted:
-                reply = await self._preparing(
-                    self.engine.generate(routed(payload, admitted)), request, turn, prompt_ids
-                )
+                self._prepare_meanwhile(request, turn, prompt_ids)
+                reply = await self.engine.generate(routed(payload, admitted))
             generation = Generation()
             generation.update(reply)
         except Exception as exc:
@@ -384,7 +377,8 @@ class ChatService:
         try:
             admitted = await admission.enter_async_context(self.gate.admit(request.session.tenant))
             events = self.engine.generate_stream(routed(payload, admitted))
-            first = await self._preparing(anext(events), request, turn, prompt_ids)
+            self._prepare_meanwhile(request, turn, prompt_ids)
+            first = await anext(events)
         except BaseException as exc:
             if events is not None:
                 await events.aclose()
