@@ -16,6 +16,13 @@ before answering, the floor under a gateway that stores a main turn before its r
 
     .venv/bin/python tests/bench/bench_gateway.py [--requests 400] [--concurrency 32]
         [--max-tokens 6] [--rounds 2] [--instant-engine] [--baseline main]
+        [--serial-requests 150] [--client httpx|raw] [--serial-only]
+
+The 1-client comparison (the gateway's own time per request) has the targets take turns every
+10 requests and ends with the figures of record: direct, a side turn, a recorded main turn,
+p50 and p99 and what each adds to the direct call. `--client raw` sends them over a bare
+kept-alive socket (httpx costs ~1 ms a request of its own); `--serial-only` skips the
+concurrent rounds.
 
 `--baseline GIT_REF` adds `base` rows: a second gateway running that ref's code, against the same
 engine and Redis, in the same interleaved rounds (before and after of a change in one run).
@@ -36,6 +43,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script: make the tests package importable
@@ -251,7 +259,7 @@ async def run(
             "max_tokens": args.max_tokens,
             "temperature": 0.7,
         }
-        for i in range(args.requests)
+        for i in range(max(args.requests, args.serial_requests))
     ]
     generates = [
         {
@@ -285,19 +293,32 @@ async def run(
             {"X-Turn-Type": "side"},
             process,
         )
-    results: dict[str, tuple[list[float], float, int]] = {name: ([], 0.0, 0) for name in targets}
-    cpu: dict[str, dict[str, float]] = {name: {} for name in targets}
     for url, bodies, headers, _ in targets.values():  # warm every path up
         await load(url, bodies[: args.concurrency * 2], headers, args.concurrency)
-    # Rounds interleave the targets so drift (CPU frequency, caches) hits all of them alike.
+    if not args.serial_only:
+        await concurrent_comparison(args, targets, stack)
+    # One client at a time: no queueing in the engine, so the difference is the gateway's own
+    # time per request (at 32 clients the engine is saturated and latency is queueing). The
+    # gateway asks the engine for log-probs, which the engine's /v1/chat row does not compute:
+    # the /generate (ids) row is the engine work a gateway request really triggers.
+    await serial_comparison(args, targets)
+
+
+async def concurrent_comparison(
+    args: argparse.Namespace, targets: dict, stack: Stack | None
+) -> None:
+    """Every target at `--concurrency` clients, rounds interleaving the targets so drift (CPU
+    frequency, caches) hits all of them alike: req/s, latency and CPU per request."""
+    results: dict[str, tuple[list[float], float, int]] = {name: ([], 0.0, 0) for name in targets}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in targets}
     for _ in range(args.rounds):
         for name, (url, bodies, headers, _) in targets.items():
             cpu_before = stack.cpu_seconds() if stack else {}
-            latencies, wall = await load(url, bodies, headers, args.concurrency)
+            latencies, wall = await load(url, bodies[: args.requests], headers, args.concurrency)
             for proc, seconds in (stack.cpu_seconds() if stack else {}).items():
                 cpu[name][proc] = cpu[name].get(proc, 0.0) + seconds - cpu_before[proc]
             before = results[name]
-            results[name] = (before[0] + latencies, before[1] + wall, before[2] + len(bodies))
+            results[name] = (before[0] + latencies, before[1] + wall, before[2] + args.requests)
 
     print(
         f"\n{args.requests} requests x {args.rounds} rounds, {args.concurrency} concurrent "
@@ -331,19 +352,70 @@ async def run(
             f"  {name:<22} p50 {p50 - base[1]:+6.1f} ms   p99 {p99 - base[3]:+6.1f} ms   "
             f"throughput {100 * rps / base[0]:5.1f}%"
         )
-    # One client at a time: no queueing in the engine, so the difference is the gateway's own
-    # time per request (at 32 clients the engine is saturated and latency is queueing). The
-    # gateway asks the engine for log-probs, which the engine's /v1/chat row does not compute:
-    # the /generate (ids) row is the engine work a gateway request really triggers.
-    print(f"\n1 client, {args.serial_requests} requests x {args.rounds} rounds")
-    serial: dict[str, list[float]] = {}
+
+
+class RawClient:
+    """HTTP/1.1 over one kept-alive socket, blocking, nothing else: a client whose own cost is
+    a few microseconds, so that the 1-client rows show the server's (httpx's is ~1 ms)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        self.path = "/" + url.split("//", 1)[1].split("/", 1)[1]
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.head = f"POST {self.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        self.pending = b""
+
+    def post(self, body: bytes, headers: dict[str, str]) -> float:
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        request = (f"{self.head}Content-Type: application/json\r\nContent-Length: {len(body)}"
+                   f"\r\n{extra}\r\n").encode() + body  # fmt: skip
+        start = time.perf_counter()
+        self.sock.sendall(request)
+        data = self.pending
+        while b"\r\n\r\n" not in data:
+            data += self.sock.recv(65536)
+        head, rest = data.split(b"\r\n\r\n", 1)
+        fields = head.lower().split(b"\r\n")
+        length = [int(f.split(b":", 1)[1]) for f in fields if f.startswith(b"content-length:")]
+        if length:
+            while len(rest) < length[0]:
+                rest += self.sock.recv(65536)
+            body, self.pending = rest[: length[0]], rest[length[0] :]
+        else:  # chunked: the last chunk ends it
+            while not rest.endswith(b"0\r\n\r\n"):
+                rest += self.sock.recv(65536)
+            body, self.pending = rest, b""
+        elapsed = time.perf_counter() - start
+        if not fields[0].startswith(b"http/1.1 200"):
+            raise RuntimeError(f"{self.path}: {fields[0]!r} {body[:300]!r}")
+        return elapsed
+
+
+SERIAL_BATCH = 10  # requests of one target in a row at one client, before the next target's
+
+
+async def serial_comparison(args: argparse.Namespace, targets: dict) -> None:
+    """Every target at one client, taking turns every SERIAL_BATCH requests (drift on a shared
+    host hits them alike), with httpx (the figures so far) or the raw client (blocking: nothing
+    else runs meanwhile); then each row's difference from the direct rows, and the summary."""
+    print(f"\n1 client ({args.client}), {args.serial_requests} requests x {args.rounds} rounds, "
+          f"targets taking turns every {SERIAL_BATCH}")  # fmt: skip
     names = tuple(targets)
-    direct = [name for name in names if name.startswith("engine")]  # fmt: skip
+    serial: dict[str, list[float]] = {name: [] for name in names}
+    n = args.serial_requests
+    raw = {name: RawClient(targets[name][0]) for name in names} if args.client == "raw" else {}
+    payloads = {name: [orjson.dumps(b) for b in targets[name][1][:n]] for name in raw}
     for _ in range(args.rounds):
-        for name in names:
-            url, bodies, headers, _ = targets[name]
-            latencies, _ = await load(url, bodies[: args.serial_requests], headers, 1)
-            serial.setdefault(name, []).extend(latencies)
+        for start in range(0, n, SERIAL_BATCH):
+            for name, (url, bodies, headers, _) in targets.items():
+                if raw:
+                    for body in payloads[name][start : start + SERIAL_BATCH]:
+                        serial[name].append(raw[name].post(body, headers))
+                else:
+                    part = bodies[start : min(n, start + SERIAL_BATCH)]
+                    serial[name].extend((await load(url, part, headers, 1))[0])
+    direct = [name for name in names if name.startswith("engine")]  # fmt: skip
     for name in direct:
         values = serial[name]
         p50, p99, mean = (1e3 * v for v in (percentile(values, 0.5), percentile(values, 0.99),
@@ -358,13 +430,31 @@ async def run(
             p99 = (percentile(values, 0.99) - percentile(floor, 0.99)) * 1e3
             mean = (statistics.mean(values) - statistics.mean(floor)) * 1e3
             print(f"    {name:<22} p50 {p50:+6.2f} ms   p99 {p99:+6.2f} ms   mean {mean:+6.2f} ms")
+    summary(serial, direct[0])
+
+
+def summary(serial: dict[str, list[float]], direct: str) -> None:
+    """The gateway's figures of record: direct, a side turn, a recorded main turn (and the
+    baseline's, with --baseline), p50 and p99, and what each adds to the direct call."""
+    print(f"\n  {'':<24} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8}")
+    floor = serial[direct]
+    rows = {"direct": direct}
+    for label in ("base", "gateway"):
+        for turn in ("side", "main"):
+            name = f"{label} /v1/chat {turn}"
+            if name in serial:
+                rows[f"{label} {turn} turn" if label == "base" else f"{turn} turn"] = name
+    floor_p50, floor_p99 = (1e3 * percentile(floor, q) for q in (0.5, 0.99))
+    for label, name in rows.items():
+        p50, p99 = (1e3 * percentile(serial[name], q) for q in (0.5, 0.99))
+        added = "" if name == direct else f" {p50 - floor_p50:+8.2f} {p99 - floor_p99:+8.2f}"
+        print(f"  {label:<24} {p50:7.2f} {p99:7.2f}{added}")
 
 
 def stage_costs(redis_url: str, stack: Stack | None = None) -> None:
     """CPU per main request of each stage of the gateway's own work, in-process with the real
     objects (a one-message chat, a 6-token reply); the record script against a real Redis. What
     the gateway spends beyond their sum is HTTP (server and engine client) and the event loop."""
-    import orjson
     from instant_engine import reply
     from redis.asyncio import Redis
 
@@ -437,7 +527,7 @@ def stage_costs(redis_url: str, stack: Stack | None = None) -> None:
         counter = iter(range(10**9))
 
         def begin():
-            return recorder.begin(
+            context = recorder.begin(
                 f"stage-{next(counter)}",
                 None,
                 request.render_messages,
@@ -445,8 +535,11 @@ def stage_costs(redis_url: str, stack: Stack | None = None) -> None:
                 scope="-",
                 done=False,
             )
+            # What the gateway works out while the engine generates (hashes, request fields).
+            recorder.prepare(context, model=MODEL, tools=None, prompt_ids=prompt)
+            return context
 
-        costs["session bookkeeping (hashes)"] = cpu_ms(begin)
+        costs["record prepared (during generation)"] = cpu_ms(begin)
         await recorder.finish(begin(), served)  # loads the script
         n = 500
         contexts = [begin() for _ in range(n)]
@@ -553,6 +646,15 @@ def main() -> None:
         "--baseline",
         metavar="GIT_REF",
         help="also run a gateway from this git ref's code (e.g. main), side by side in one run",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("httpx", "raw"),
+        default="httpx",
+        help="the 1-client comparison's client: httpx, or a raw socket (a few us of its own)",
+    )
+    parser.add_argument(
+        "--serial-only", action="store_true", help="only the 1-client comparison (and warm-up)"
     )
     parser.add_argument("--engine-url", help="use a running engine (with --gateway-url)")
     parser.add_argument("--gateway-url", help="use a running gateway (with --engine-url)")
