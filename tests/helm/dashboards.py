@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from clawrl.common.metrics import GarbageCollection
 from clawrl.engine.metrics import EngineMetrics
+from clawrl.environments.metrics import EnvironmentsMetrics
+from clawrl.environments.runner_metrics import RunnerMetrics
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.trainer.metrics import TrainerMetrics
@@ -110,7 +112,7 @@ def known_metric_names() -> set[str]:
     document."""
     names = set()
     services = (GatewayMetrics(), EngineMetrics("model"), JudgeMetrics(), TrainerMetrics(),
-                WeightSyncMetrics())  # fmt: skip
+                WeightSyncMetrics(), EnvironmentsMetrics(), RunnerMetrics())  # fmt: skip
     for metrics in services:
         names |= exported(metrics.registry)
     for service in ("gateway", "engine"):  # installed by the serving processes at start

@@ -4,6 +4,7 @@ JSON that Grafana imports, shipped by the chart, and querying only metrics that 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from clawrl.environments.runner_metrics import RunnerMetrics
 from deploy.grafana.dashboards import render_all
 from deploy.local.prometheus_local import write_config
 from tests.helm.conftest import CHART, CLUSTER_VALUES, helm, render
@@ -25,7 +27,7 @@ from tests.helm.dashboards import (
     unscoped,
 )
 
-EXPECTED = {"serving", "engines", "judge", "learning", "cluster"}
+EXPECTED = {"serving", "engines", "judge", "learning", "cluster", "agents"}
 
 
 def test_the_committed_dashboards_are_the_generated_ones() -> None:
@@ -133,6 +135,41 @@ def test_the_tenants_row_shows_each_tenants_learning_and_adapters() -> None:
     # Only the learning dashboard has per-tenant panels, and so the variable.
     assert all("$tenant" not in expr for n, b in dashboards().items() if n != "learning"
                for _, expr in queries(b))  # fmt: skip
+
+
+def test_the_agents_dashboard_shows_episodes_sandboxes_and_outcomes() -> None:
+    """Track 2's dashboard: every metric the agent runner exports, the sandbox service's leases,
+    commands and failures, and the judges' episode metrics, each in its row; the train success
+    rate is passed over all finished train episodes, in all and per family."""
+    board = dashboards()["agents"]
+    in_row: dict[str, set[str]] = {}
+    exprs = dict(queries(board))
+    for title, expr in queries(board):
+        in_row.setdefault(rows(board)[title], set()).update(metric_names(expr))
+    # Each of the runner's metric families (a counter's name without _total, a histogram's
+    # without _bucket) has a panel in the runner's row.
+    families = {family.name for family in RunnerMetrics().registry.collect()}
+    shown = {
+        re.sub(r"_(total|bucket|sum|count)$", "", m) for m in in_row["Episodes (agent runner)"]
+    }
+    assert len(families) == 9 and families <= shown, families - shown
+    sandboxes = {"clawrl_environments_leases_active", "clawrl_environments_leases_max",
+                 "clawrl_environments_allocations_total",
+                 "clawrl_environments_leases_closed_total",
+                 "clawrl_environments_request_errors_total",
+                 "clawrl_environments_backend_errors_total",
+                 "clawrl_environments_command_duration_seconds_bucket"}  # fmt: skip
+    assert sandboxes <= in_row["Sandboxes (sandbox service)"]
+    # The sandboxes' commands beside the model's tool calls.
+    assert "clawrl_environments_commands_total" in metric_names(exprs["Tool calls"])
+    judge = {"clawrl_judge_episode_turns_total", "clawrl_judge_outcome_wait_seconds_bucket",
+             "clawrl_judge_outcome_waiting_turns"}  # fmt: skip
+    assert judge <= in_row["Episode outcomes (judge)"]
+    success = exprs["Episode success rate (train)"]
+    assert 'split="train", result="passed"' in success and "sum by (family)" in success
+    merged = exprs["Episode turns merged vs masked"]
+    assert "sum by (result) (rate(clawrl_judge_episode_turns_total{" in merged
+    assert "sum by (split, result)" in exprs["Episodes by result"]
 
 
 def test_request_latency_covers_every_api_route() -> None:

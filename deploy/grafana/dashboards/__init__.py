@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from deploy.grafana.dashboards.agents import AGENTS
 from deploy.grafana.dashboards.board import dashboard_json
 from deploy.grafana.dashboards.cluster import CLUSTER
 from deploy.grafana.dashboards.engines import ENGINES
@@ -28,6 +29,7 @@ DASHBOARDS = {
     "judge": ("clawrl / judge", JUDGE),
     "learning": ("clawrl / learning", [*LEARNING, Row("Tenants"), *TENANTS]),
     "cluster": ("clawrl / cluster (pods, GPUs, Redis, Ray)", CLUSTER),
+    "agents": ("clawrl / agents (Track 2: episodes, sandboxes, outcomes)", AGENTS),
 }
 
 
