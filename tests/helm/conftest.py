@@ -65,6 +65,21 @@ def default_objects() -> list[dict]:
     return render(sets=("serviceMonitor.enabled=true",))
 
 
+@pytest.fixture
+def settings_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """`settings_of(cls, env)`: the real settings class built from exactly that environment."""
+
+    def build(cls, env: dict[str, str]):
+        for name in [n for n in os.environ if n.startswith("CLAWRL_")]:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("CLAWRL_CONFIG", str(tmp_path / "none.toml"))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return cls()
+
+    return build
+
+
 @pytest.fixture(scope="session")
 def promtool() -> str:
     """Prometheus's own rule checker and tester."""

@@ -97,7 +97,8 @@ def test_the_builtin_objects_are_valid_kubernetes() -> None:
     ]
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-                            "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "Job"])  # fmt: skip
+                            "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "Job",
+                            "Service"])  # fmt: skip
     errors = kubernetes_errors(objects)
     assert not errors, "\n".join(errors)
 
@@ -279,15 +280,19 @@ def test_the_runner_plays_through_the_gateway_and_the_sandbox_service() -> None:
         "--split": "held_out",
         "--episodes": "40",
         "--concurrency": "4",
+        "--metrics-port": "30041",
+        "--out": "/tmp/agent/episodes.jsonl",
+        "--eval-dir": "/tmp/agent",
         "--task-set": "terminal",
     }
     gateway = by_kind(objects, "Service", "clawrl-gateway")["spec"]["ports"]
     assert 8080 in [p["port"] for p in gateway]
     (key,) = [e for e in container["env"] if e["name"] == "OPENAI_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"] == {"name": "runner-key", "key": "api-key"}
-    # Nothing connects to the runner.
+    # Nothing connects to the runner but the scrapers, to its metrics port.
     policy = by_kind(objects, "NetworkPolicy", "clawrl-agent-runner")["spec"]
-    assert policy["ingress"] == [] and policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert [rule["ports"] for rule in policy["ingress"]] == [[{"port": 30041}]]
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,6 @@ start (or never work) fails at render with what to set."""
 from __future__ import annotations
 
 import fnmatch
-import os
-from pathlib import Path
 
 import pytest
 
@@ -30,21 +28,6 @@ TRAINER = [("RayJob", "clawrl-trainer/head", "ray-head"),
 ENGINE = ("Deployment", "clawrl-policy-engine", "engine")
 JUDGE_ENGINE = ("Deployment", "clawrl-judge-engine", "engine")
 LAUNCHER = ("RayJob", "clawrl-trainer/head", "weight-sync-launcher")
-
-
-@pytest.fixture
-def settings_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """`settings_of(cls, env)`: the real settings class built from exactly that environment."""
-
-    def build(cls, env: dict[str, str]):
-        for name in [n for n in os.environ if n.startswith("CLAWRL_")]:
-            monkeypatch.delenv(name)
-        monkeypatch.setenv("CLAWRL_CONFIG", str(tmp_path / "none.toml"))
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        return cls()
-
-    return build
 
 
 def failure(*sets: str) -> str:

@@ -604,3 +604,47 @@ app.kubernetes.io/part-of: clawrl
 {{- define "clawrl.environmentsUrl" -}}
 {{- printf "http://%s:%d" (include "clawrl.componentName" (dict "root" . "component" "environments")) (int .Values.environments.port) }}
 {{- end }}
+
+{{/* CLAWRL_ENVIRONMENTS_SERVER__TOKEN from environments.tokenSecret (nothing without one): the lease API's bearer token, which the sandbox service requires and the agent runner sends (both read that variable). Call with the root context. */}}
+{{- define "clawrl.environmentsTokenEnv" -}}
+{{- with .Values.environments.tokenSecret }}
+- name: CLAWRL_ENVIRONMENTS_SERVER__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: token
+{{- end }}
+{{- end }}
+
+{{/* "true" when a component's `env` list (Kubernetes EnvVar list) names one of `names`, else "". Call with (dict "env" .Values.environments.env "names" (list "A" "B")). */}}
+{{- define "clawrl.envNames" -}}
+{{- $found := false }}
+{{- range (.env | default list) }}
+{{- if has .name $.names }}{{ $found = true }}{{ end }}
+{{- end }}
+{{- if $found }}true{{ end }}
+{{- end }}
+
+{{/* Where a bearer token of the sandbox service's lease API is set other than by environments.tokenSecret: its settings (environments_server.token or token_file) or its env list; "" when nowhere. Call with the root context. */}}
+{{- define "clawrl.environmentsOwnToken" -}}
+{{- $v := .Values.environments }}
+{{- $server := dig "environments_server" dict ($v.settings | default dict) }}
+{{- if or (get $server "token") (get $server "token_file") }}environments.settings.environments_server
+{{- else if include "clawrl.envNames" (dict "env" $v.env "names" (list "CLAWRL_ENVIRONMENTS_SERVER__TOKEN" "CLAWRL_ENVIRONMENTS_SERVER__TOKEN_FILE")) }}environments.env
+{{- end }}
+{{- end }}
+
+{{/* Fails rendering when the sandbox service requires a bearer token that the agent runner is not given: the service's token set in its settings or env (not environments.tokenSecret, which both get), and none in the runner's env, settings or extraArgs (--environments-token). Every episode would fail at its lease (401). Call with the root context. */}}
+{{- define "clawrl.checkRunnerToken" -}}
+{{- $where := include "clawrl.environmentsOwnToken" . }}
+{{- if $where }}
+{{- $r := .Values.agentRunner }}
+{{- $given := or (dig "environments_server" "token" "" ($r.settings | default dict)) (include "clawrl.envNames" (dict "env" $r.env "names" (list "CLAWRL_ENVIRONMENTS_SERVER__TOKEN"))) }}
+{{- range ($r.extraArgs | default list) }}
+{{- if or (eq . "--environments-token") (hasPrefix "--environments-token=" .) }}{{ $given = true }}{{ end }}
+{{- end }}
+{{- if not $given }}
+{{- fail (printf "agentRunner: the sandbox service requires a bearer token (set in %s) that the agent runner is not given, so every lease would be refused (401): put the token in a Secret and name it in environments.tokenSecret (the service and the runner both get it) instead" $where) }}
+{{- end }}
+{{- end }}
+{{- end }}
