@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--terminal-concurrency", type=int, default=2, help="training episodes at once"
     )
     group.add_argument(
+        "--terminal-seed", type=int, default=0, help="seed of the runner's task order"
+    )
+    group.add_argument(
         "--held-out-every",
         type=int,
         default=5,
@@ -104,6 +107,7 @@ def runner_argv(args: argparse.Namespace) -> list[str]:
         "--model", args.policy_model,
         "--split", "train", "--episodes", "0",
         "--concurrency", str(args.terminal_concurrency),
+        "--seed", str(args.terminal_seed),
         "--held-out-every", str(args.held_out_every),
         "--metrics-port", str(args.runner_metrics_port),
         "--eval-dir", str(args.run_dir / "agent"),

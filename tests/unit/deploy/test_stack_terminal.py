@@ -43,7 +43,8 @@ def test_the_terminal_track_rewards_outcomes_with_step_wise_advantages(tmp_path)
 def test_the_runner_plays_the_train_split_until_stopped_with_held_out_evaluations(tmp_path):
     a = args("--track", "terminal", "--run-dir", str(tmp_path), "--gateway-port", "4000",
              "--environments-port", "4001", "--terminal-families", "write_file,make_dir",
-             "--held-out-every", "3", "--api-key", "sk-1", "--api-key", "sk-2")  # fmt: skip
+             "--held-out-every", "3", "--terminal-seed", "7",
+             "--api-key", "sk-1", "--api-key", "sk-2")  # fmt: skip
     argv = terminal.runner_argv(a)
     assert argv[1:3] == ["agent", "run"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=True))
@@ -54,6 +55,7 @@ def test_the_runner_plays_the_train_split_until_stopped_with_held_out_evaluation
         "--split": "train",
         "--episodes": "0",
         "--concurrency": "2",
+        "--seed": "7",
         "--held-out-every": "3",
         "--metrics-port": "30041",
         "--eval-dir": str(tmp_path / "agent"),
@@ -65,10 +67,11 @@ def test_the_runner_plays_the_train_split_until_stopped_with_held_out_evaluation
     from clawrl.simulate.main import parse_args
 
     parsed = parse_args(argv[1:])
-    assert (parsed.episodes, parsed.held_out_every, parsed.families) == (
+    assert (parsed.episodes, parsed.held_out_every, parsed.families, parsed.seed) == (
         0,
         3,
         ["write_file", "make_dir"],
+        7,
     )
     service, env = terminal.sandbox_service(a)
     assert Path(service[0]).name == "clawrl-environments"
