@@ -87,3 +87,14 @@ def test_versions_csv_round_trip_and_plots(tmp_path):
     for png in ("held-out.png", "base.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "no (split by a sync)" in report.versions_table(rates)
+
+
+def test_the_package_that_draws_the_plots_depends_on_matplotlib() -> None:
+    """The runner's image installs clawrl-environments alone: its held-out plot crashed the runner
+    on Kubernetes while matplotlib came only with the simulator's package."""
+    import tomllib
+
+    from tests.conftest import REPO
+
+    project = tomllib.loads((REPO / "services/environments/pyproject.toml").read_text())
+    assert any(d.startswith("matplotlib") for d in project["project"]["dependencies"])
