@@ -1,5 +1,6 @@
 """Every alert of the chart's PrometheusRule has a runbook: its `runbook_url` names its section of
-docs/runbooks.md (under prometheusRule.runbookBaseUrl), and every runbook section is an alert's."""
+docs/runbooks.md (under prometheusRule.runbookBaseUrl), and every runbook section is an alert's
+(the chart rendered with the terminal track, whose alerts come with it)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from tests.unit.docs.markdown_links import slugify
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOKS = ROOT / "docs/runbooks.md"
+# The terminal track on too, so that its alerts (rendered only with it) are checked.
+TERMINAL = ROOT / "deploy/values-terminal.yaml"
 DEFAULT_BASE = yaml.safe_load((ROOT / "helm/clawrl/values.yaml").read_text())["prometheusRule"][
     "runbookBaseUrl"
 ]
 
 
 def alerts(*sets: str) -> dict[str, dict]:
-    (rule,) = [o for o in render(sets=sets) if o["kind"] == "PrometheusRule"]
+    (rule,) = [o for o in render(TERMINAL, sets=sets) if o["kind"] == "PrometheusRule"]
     return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
 
 
