@@ -101,10 +101,11 @@ def test_scheduler_flags_reach_sglang_under_backend_sglang(monkeypatch):
         "--max-total-tokens", "100000", "--chunked-prefill-size", "4096",
         "--max-prefill-tokens", "16384", "--context-length", "32768",
         "--incremental-streaming-output", "--random-seed", "5", "--tp-size", "2",
-        "--disable-radix-cache",
+        "--disable-radix-cache", "--dtype", "float16",
     ]  # fmt: skip
     settings = load_settings(parse_args(args))
     argv = build_argv(settings, model="/m")
+    assert flag(argv, "--dtype") == "float16"
     assert flag(argv, "--max-running-requests") == "48"
     assert flag(argv, "--max-queued-requests") == "9"
     assert flag(argv, "--max-total-tokens") == "100000"
@@ -123,9 +124,10 @@ def test_the_same_flags_set_the_cpu_scheduler_under_backend_cpu():
     settings = load_settings(
         parse_args(
             ["--backend", "cpu", "--max-running-requests", "3", "--chunked-prefill-size", "64",
-             "--incremental-streaming-output", "--torch-threads", "1"]
+             "--incremental-streaming-output", "--torch-threads", "1", "--dtype", "bfloat16"]
         )
     )  # fmt: skip
+    assert settings.engine.dtype == "bfloat16"
     assert settings.engine.max_running_requests == 3
     assert settings.engine.chunked_prefill_size == 64
     assert settings.engine.incremental_streaming_output is True

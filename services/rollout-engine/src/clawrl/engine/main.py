@@ -61,6 +61,8 @@ FLAGS = (
          cpu=("engine", "prefix_cache_tokens"), sglang=None, type=int),
     Flag("--rope-scaling", "yarn or linear, for a context beyond the model's",
          **everywhere("model", "rope_scaling")),
+    Flag("--dtype", "weights, activations and KV dtype (CPU: auto, float32 or bfloat16)",
+         cpu=("engine", "dtype"), sglang=("sglang", "dtype")),
     Flag("--torch-threads", "torch intra-op threads", cpu=("engine", "torch_threads"),
          sglang=None, type=int),
     Flag("--tp-size", "tensor-parallel size", cpu=None, sglang=("sglang", "tp_size"), type=int),

@@ -104,10 +104,11 @@ class CpuEngine:
             self.runner, serving, self.metrics, self.decode, serving.weight_version
         )
         log.info(
-            "loaded %s (vocab %d, context %d)",
+            "loaded %s (vocab %d, context %d, %s)",
             self.model_dir,
             self.runner.vocab_size,
             self.context_length,
+            str(self.runner.dtype).removeprefix("torch."),
         )
         return self._load_initial_adapters() if serving.lora_enabled else []
 
