@@ -7,6 +7,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from clawrl.common.metrics import LATENCY_BUCKETS_S
 
+# Every value of the labelled counters, exported at 0 from the start: increase() over a series
+# that appears with its first event misses that event (the alerts on expired leases and
+# backend errors would never see a service's first one).
+ALLOCATION_OUTCOMES = ("granted", "reused", "pool_exhausted")
+CLOSE_REASONS = ("closed", "expired", "shutdown")
+RESET_OUTCOMES = ("ok", "bad_task", "error")
+COMMAND_KINDS = ("tool", "evaluate")
+COMMAND_OUTCOMES = ("ok", "failed", "timeout", "error")
+LIMITS = ("timeout", "cpu", "file_size", "pids", "output")
+VERDICTS = ("passed", "failed", "error")
+BACKEND_OPS = ("reset", "exec", "destroy", "reap", "reclaim")
+
 
 class EnvironmentsMetrics:
     """Every metric the sandbox service exports, registered by concern."""
@@ -16,6 +28,19 @@ class EnvironmentsMetrics:
         self._leases(self.registry)
         self._commands(self.registry)
         self._errors(self.registry)
+        for counter, values in (
+            (self.allocations, ALLOCATION_OUTCOMES),
+            (self.leases_closed, CLOSE_REASONS),
+            (self.resets, RESET_OUTCOMES),
+            (self.limit_hits, LIMITS),
+            (self.evaluations, VERDICTS),
+            (self.backend_errors, BACKEND_OPS),
+        ):
+            for value in values:
+                counter.labels(value)
+        for kind in COMMAND_KINDS:
+            for outcome in COMMAND_OUTCOMES:
+                self.commands.labels(kind, outcome)
 
     def _leases(self, r: CollectorRegistry) -> None:
         """Leases: how many, how they were granted and how they ended."""
@@ -32,7 +57,7 @@ class EnvironmentsMetrics:
         self.allocations = Counter(
             "clawrl_environments_allocations_total",
             "/allocate calls by outcome: granted, reused (a repeated request_id), "
-            "pool_exhausted (429), error.",
+            "pool_exhausted (429).",
             ["outcome"],
             registry=r,
         )
