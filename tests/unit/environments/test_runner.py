@@ -239,3 +239,33 @@ def test_result_log_writes_lines_and_counts_without_keeping_results(tmp_path):
     broken = ResultLog(out, metrics)
     broken.counts[None] = 2
     assert broken.broke_off_only
+
+
+async def test_a_gateway_that_never_answers_fails_the_request_at_the_runner_timeout():
+    """A hung engine used to hold an episode (and its lease) for the openai client's 600 s,
+    times 3 tries; --request-timeout-s bounds it."""
+    import asyncio
+    import time
+
+    import openai
+
+    from clawrl.environments.runner import connect
+    from clawrl.environments.runner_metrics import RunnerMetrics
+
+    held = []  # the connections stay open, unanswered
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    args = parse_args(["agent", "run", "--gateway-url", f"http://127.0.0.1:{port}/v1",
+                       "--model", "m", "--request-timeout-s", "0.3"])  # fmt: skip
+    async with server, connect(args, RunnerMetrics()) as clients:
+        started = time.monotonic()
+        with pytest.raises(openai.APITimeoutError):
+            await clients.gateway.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert time.monotonic() - started < 15  # 3 tries of 0.3 s and the client's backoff
+        assert len(held) == 3

@@ -90,6 +90,13 @@ def add_connection_args(parser: argparse.ArgumentParser, *, gateway: bool = True
         default=10.0,
         help="seconds between a lease's heartbeats (below the service's leases.ttl_s)",
     )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=180.0,
+        help="a model request's limit (tried 3 times): a hung engine fails the episode at the "
+        "'model' stage instead of holding it (the openai client's own default is 600 s)",
+    )
 
 
 def add_task_args(parser: argparse.ArgumentParser, split: str) -> None:
@@ -262,7 +269,12 @@ class Clients:
 
 @contextlib.asynccontextmanager
 async def connect(args: argparse.Namespace, metrics: RunnerMetrics) -> AsyncIterator[Clients]:
-    gateway = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=2)
+    gateway = openai.AsyncOpenAI(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        max_retries=2,
+        timeout=getattr(args, "request_timeout_s", 180.0),
+    )
     sandbox = SandboxClient(args.environments_url, token=args.environments_token)
     try:
         model = args.model or (await gateway.models.list()).data[0].id
