@@ -47,6 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="play the held-out split (greedy) every this many new versions (0: never)",
     )
     group.add_argument(
+        "--terminal-advantage",
+        choices=("batch", "step_wise"),
+        default="batch",
+        help="--method rl's advantage on episodes: batch = each turn's reward against the "
+        "batch's mean (grpo, --baseline batch); step_wise = OpenClaw-RL's, normalised within "
+        "(task, turn index) buckets, which need several attempts at a task in one batch (the "
+        "runner plays each task once per pass: its buckets are mostly single turns, kept raw)",
+    )
+    group.add_argument(
         "--prm-step-coef",
         type=float,
         default=PRM_STEP_COEF,
@@ -69,9 +78,12 @@ def judge_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def training_env(args: argparse.Namespace) -> dict[str, str]:
-    """rl on episodes is OpenClaw-RL's step_wise advantage: each turn's reward normalised among
-    the turns of the same task and turn index."""
-    if is_terminal(args) and args.method == "rl":
+    """rl on episodes with --terminal-advantage step_wise: OpenClaw-RL's advantage, each turn's
+    reward normalised among the turns of the same task and turn index. The default (batch)
+    leaves the chat track's grpo against the batch's mean: measured on this host, step_wise
+    with mostly single-turn buckets trained on raw -1s (most episodes fail) and unlearned the
+    tool call (docs/agents.md)."""
+    if is_terminal(args) and args.method == "rl" and args.terminal_advantage == "step_wise":
         return {"CLAWRL_ADVANTAGE__ESTIMATOR": "step_wise"}
     return {}
 

@@ -9,7 +9,8 @@ side turns, with the runner paused, so that the policy cannot change under an ev
 before the runner's first training episode, the final version after its last. An episode whose
 replies came from another version than the one evaluated is left out and counted. Alongside,
 the training episodes' success rate per version (from the runner's JSON lines). Prints one
-table, writes a CSV and a PNG (to docs/agents-learning-seed<N>.* with --docs). Asserts nothing.
+table, writes a CSV and a PNG (to docs/agents-learning-<advantage>-seed<N>.* with --docs).
+Asserts nothing.
 
     .venv/bin/python tests/bench/bench_terminal_learning.py [--minutes 30] [--seed 0] [--docs]
 """
@@ -173,7 +174,18 @@ def main() -> None:
     parser.add_argument("--families", default=FAMILIES, help="task families (train and eval)")
     parser.add_argument("--attempts", type=int, default=12, help="held-out episodes per task")
     parser.add_argument("--eval-temperature", type=float, default=0.7)
-    parser.add_argument("--concurrency", type=int, default=2, help="training episodes at once")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="training episodes at once (1: the trainer, the slowest part here, keeps up)",
+    )
+    parser.add_argument(
+        "--advantage",
+        choices=("batch", "step_wise"),
+        default="batch",
+        help="the stack's --terminal-advantage",
+    )
     parser.add_argument("--stack-args", default="", help="more stack.py flags (e.g. --lr 1e-3)")
     parser.add_argument("--docs", action="store_true", help="copy the CSV and PNG to docs/")
     args = parser.parse_args()
@@ -181,7 +193,8 @@ def main() -> None:
     started = time.monotonic()
     extra = {"environments": free_port(), "runner-metrics": free_port()}
     stack_args = ["--track", "terminal", "--method", "rl", "--terminal-families", args.families,
-                  "--terminal-seed", str(args.seed), "--terminal-concurrency",
+                  "--terminal-seed", str(args.seed), "--terminal-advantage", args.advantage,
+                  "--terminal-concurrency",
                   str(args.concurrency), "--held-out-every", "0",
                   "--environments-port", str(extra["environments"]),
                   "--runner-metrics-port", str(extra["runner-metrics"]),
@@ -215,15 +228,17 @@ def main() -> None:
         print(report(before, after, curve, families))
         print(f"left out (another version): v0 {before['left_out']}, "
               f"final {after['left_out']}; judge merged {merged:.0f} episode turns")  # fmt: skip
-        out = run_dir / f"terminal-learning-seed{args.seed}"
-        title = (f"{args.model}, {args.families}, seed {args.seed}, {args.minutes:g} min: "
+        out = run_dir / f"terminal-learning-{args.advantage}-seed{args.seed}"
+        title = (f"{args.model}, {args.families}, {args.advantage}, seed {args.seed}, "
+                 f"{args.minutes:g} min: "
                  f"held-out v0 vs v{after['version']}")  # fmt: skip
-        run = {"families": args.families, "seed": str(args.seed), "minutes": f"{args.minutes:g}",
+        run = {"families": args.families, "advantage": args.advantage, "seed": str(args.seed),
+               "minutes": f"{args.minutes:g}", "concurrency": str(args.concurrency),
                "attempts": str(args.attempts), "model": args.model}  # fmt: skip
         write_csv(out.with_suffix(".csv"), before, after, curve, run)
         plot(out.with_suffix(".png"), before, after, curve, title)
         if args.docs:
-            target = REPO / "docs" / f"agents-learning-seed{args.seed}"
+            target = REPO / "docs" / f"agents-learning-{args.advantage}-seed{args.seed}"
             for suffix in (".csv", ".png"):
                 target.with_suffix(suffix).write_bytes(out.with_suffix(suffix).read_bytes())
             print(f"wrote {target}.csv and .png")

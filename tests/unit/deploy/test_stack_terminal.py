@@ -29,10 +29,15 @@ def test_the_chat_track_starts_and_sets_nothing_of_the_terminal_track(tmp_path) 
     assert stack.training_env(chat)["CLAWRL_ADVANTAGE__ESTIMATOR"] == "grpo"
 
 
-def test_the_terminal_track_rewards_outcomes_with_step_wise_advantages(tmp_path) -> None:
+def test_the_terminal_track_rewards_outcomes_against_the_batch_or_step_wise(tmp_path) -> None:
     a = args("--track", "terminal", "--run-dir", str(tmp_path))
     assert stack.judge_env(a)["CLAWRL_EPISODES__PRM_STEP_COEF"] == "0.0"
-    assert stack.training_env(a)["CLAWRL_ADVANTAGE__ESTIMATOR"] == "step_wise"
+    batch = stack.training_env(a)
+    assert batch["CLAWRL_ADVANTAGE__ESTIMATOR"] == "grpo"
+    assert batch["CLAWRL_ADVANTAGE__GROUP_BY"] == "batch"
+    assert batch["CLAWRL_ADVANTAGE__NORMALIZE_GROUPS"] == "true"
+    step_wise = args("--track", "terminal", "--terminal-advantage", "step_wise")
+    assert stack.training_env(step_wise)["CLAWRL_ADVANTAGE__ESTIMATOR"] == "step_wise"
     coef = args("--track", "terminal", "--prm-step-coef", "0.5", "--method", "config")
     assert stack.judge_env(coef) == {"CLAWRL_EPISODES__PRM_STEP_COEF": "0.5"}
     assert "CLAWRL_ADVANTAGE__ESTIMATOR" not in stack.training_env(coef)  # clawrl.toml's
