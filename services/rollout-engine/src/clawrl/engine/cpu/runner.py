@@ -3,10 +3,11 @@ cache, prompt log-probs, in-place weight swaps, and LoRA adapters. Only the sche
 calls into a ModelRunner (torch is not re-entrant across our batch state).
 
 LoRA: the first adapter wraps the decoder in a peft model (`PeftModel`, adapters injected
-in place, so the decoder's own modules now carry them); every forward pass then goes through
-peft with `adapter_names`, one per row ("__base__" for the base model), which is peft's
-mixed-batch inference: each row gets exactly its own adapter. Until an adapter is loaded (and
-with LoRA off) the decoder runs bare, as before."""
+in place, so the decoder's own modules now carry them); a forward pass then sets each row's
+adapter (None: the base model) and the injected projections apply them stacked, two matrix
+products per projection for the whole batch (lora_batch.py; peft's own mixed-batch forward
+looped over the adapters in every projection): each row gets exactly its own adapter. Until an
+adapter is loaded (and with LoRA off) the decoder runs bare, as before."""
 
 from __future__ import annotations
 
@@ -26,14 +27,13 @@ from transformers.cache_utils import DynamicLayer
 from clawrl.common.models import stretch_config
 from clawrl.engine.cpu.adapters import PreparedAdapter
 from clawrl.engine.cpu.attention import ATTENTION
+from clawrl.engine.cpu.lora_batch import StackedLora
 from clawrl.engine.cpu.prefix_cache import LayerKV
 from clawrl.engine.cpu.sampling import token_logprobs
 
 # Positions whose full-vocabulary log-softmax is computed at once for prompt log-probs
 # (a [chunk, V] float tensor: 512 x 49152 x 4 B ~ 100 MB).
 PROMPT_LOGPROB_CHUNK = 512
-# peft's name for "no adapter" in a mixed batch.
-BASE = "__base__"
 # Spare room a KV buffer gets when it grows: a quarter of what it holds, at least this many
 # tokens (a prefill chunk's worth, or that many decode steps).
 KV_ROOM_TOKENS = 256
@@ -293,6 +293,7 @@ class ModelRunner:
         # with keys rooted at the causal LM.
         self.decoder_prefix = next(n for n, m in model.named_children() if m is self.decoder)
         self._peft = None  # PeftModel around the decoder once an adapter is loaded
+        self._stacked = StackedLora()  # runs the injected adapters, a mixed batch at once
         self.adapters: set[str] = set()  # keys of the loaded adapters
         # key -> peft's name for it (the key it was injected as; `replace_adapter` reuses it)
         self._names: dict[str, str] = {}
@@ -322,6 +323,9 @@ class ModelRunner:
         except Exception:
             self._drop(key, first)
             raise
+        finally:
+            if self._peft is not None:  # every injected projection runs stacked
+                self._stacked.attach(self._peft)
         self.adapters.add(key)
         self._names[key] = key
         self._shapes[key] = adapter_shape(adapter)
@@ -343,6 +347,7 @@ class ModelRunner:
         del self._names[old]
         self.adapters.add(key)
         self._names[key] = name
+        self._stacked.attach(self._peft)  # its tensors changed: stack them again
         return True
 
     def remove_adapter(self, key: str) -> None:
@@ -351,6 +356,8 @@ class ModelRunner:
         name = self._names.pop(key, key)
         self._shapes.pop(name, None)
         self._drop(name, not self.adapters)
+        if self._peft is not None:
+            self._stacked.attach(self._peft)
 
     def _drop(self, key: str, last: bool) -> None:
         if self._peft is None:
@@ -365,8 +372,11 @@ class ModelRunner:
     def _forward(self, adapters: list[str | None], **inputs):
         if not self.adapters:
             return self.decoder(**inputs)
-        names = [BASE if a is None else self._names[a] for a in adapters]
-        return self._peft(**inputs, adapter_names=names)
+        self._stacked.plan([None if a is None else self._names[a] for a in adapters])
+        try:
+            return self.decoder(**inputs)  # its projections carry the injected adapters
+        finally:
+            self._stacked.plan(None)
 
     # ----- forward passes -------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""Stacked LoRA (lora_batch.py) against peft's own mixed-batch forward: the same numbers for
+every row of a batch mixing the base model and adapters of different ranks and target
+modules, exact base rows, and stacks that follow adapters being replaced and removed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawrl.common.models import resolve_model_dir
+from clawrl.common.settings import ModelSettings
+from clawrl.engine.cpu.adapters import prepare_adapter
+from clawrl.engine.cpu.runner import ModelRunner
+from clawrl.engine.lora import normalized_modules
+from tests.integration.engine.lora_adapters import make_adapter
+
+PROMPTS = [[1, 504, 3458, 282], [20, 21, 22, 23], [30, 31, 32, 33], [7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict:
+    model_dir = resolve_model_dir(ModelSettings(path="smollm2-tiny"))
+    root = tmp_path_factory.mktemp("stacked")
+    return {
+        "a": make_adapter(model_dir, root / "a", rank=8, seed=1, scale=0.5),
+        "b": make_adapter(
+            model_dir,
+            root / "b",
+            rank=16,
+            alpha=8,
+            seed=2,
+            scale=0.5,
+            targets=("q_proj", "down_proj"),
+        ),
+        "c": make_adapter(model_dir, root / "c", rank=8, seed=3, scale=0.5),
+    }
+
+
+def load(runner: ModelRunner, key: str, path) -> None:
+    runner.add_adapter(key, prepared(runner, path))
+
+
+def prepared(runner: ModelRunner, path):
+    return prepare_adapter(
+        "x", str(path), runner.decoder, runner.decoder_prefix, max_rank=64,
+        allowed_modules=normalized_modules(["all"]), dtype=runner.dtype,
+    )  # fmt: skip
+
+
+def hidden(runner: ModelRunner, rows: list[str | None], peft: bool) -> torch.Tensor:
+    """Last hidden states of PROMPTS as one batch, row i under rows[i]; through peft's
+    mixed-batch forward (its own module forwards) or the runner's stacked one."""
+    inputs = {"input_ids": torch.tensor(PROMPTS)}
+    if not peft:
+        return runner._forward(rows, **inputs).last_hidden_state
+    from peft.tuners.lora import Linear as LoraLinear
+
+    saved = {}
+    for module in runner._peft.modules():
+        if isinstance(module, LoraLinear):
+            saved[module] = module.__dict__.pop("forward")  # peft's class forward again
+    try:
+        names = ["__base__" if r is None else runner._names[r] for r in rows]
+        return runner._peft(**inputs, adapter_names=names).last_hidden_state
+    finally:
+        for module, forward in saved.items():
+            module.forward = forward
+
+
+@torch.inference_mode()
+def test_a_mixed_batch_gives_peft_numbers_and_exact_base_rows(adapters):
+    runner = ModelRunner(resolve_model_dir(ModelSettings(path="smollm2-tiny")))
+    base = runner._forward([None] * 4, input_ids=torch.tensor(PROMPTS)).last_hidden_state
+    load(runner, "a", adapters["a"])
+    load(runner, "b", adapters["b"])
+    rows = [None, "a", "b", "a"]
+    stacked = hidden(runner, rows, peft=False)
+    expected = hidden(runner, rows, peft=True)
+    assert torch.allclose(stacked, expected, atol=1e-5)
+    assert torch.equal(stacked[0], base[0])  # the base row: nothing added
+    assert (stacked[1] - base[1]).abs().max() > 0.1 and (stacked[2] - stacked[1]).abs().max() > 0.1
+    assert torch.equal(hidden(runner, [None] * 4, peft=False), base)
+
+    # replaced in place (same shape as a): the stacks follow the new tensors
+    runner.replace_adapter("a", "c", prepared(runner, adapters["c"]))
+    rows = [None, "c", "b", "c"]
+    assert torch.allclose(hidden(runner, rows, peft=False), hidden(runner, rows, peft=True),
+                          atol=1e-5)  # fmt: skip
+    runner.remove_adapter("b")
+    rows = ["c", None, "c", None]
+    assert torch.allclose(hidden(runner, rows, peft=False), hidden(runner, rows, peft=True),
+                          atol=1e-5)  # fmt: skip
+    runner.remove_adapter("c")
+    assert torch.equal(runner._forward([None] * 4, input_ids=torch.tensor(PROMPTS))
+                       .last_hidden_state, base)  # fmt: skip
