@@ -1,10 +1,15 @@
 """`make run`'s stack, end to end: the real processes come up, an OpenAI client talks to the
-gateway, the finished turns land on the Redis stream, and Ctrl-C (SIGTERM) stops everything."""
+gateway, the finished turns land on the Redis stream, and a supervisor's two TERMs to its
+process group stop everything (the other e2e stacks are stopped by one SIGTERM, as Ctrl-C)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -17,22 +22,31 @@ from clawrl.common.proto.records_pb2 import MaskReason
 from clawrl.common.records import Sample, Turn, decode_entry, turn_id
 from clawrl.gateway.sessions import session_epoch
 from tests.conftest import wait_until
-from tests.e2e.local_stack import local_stack
+from tests.e2e.local_stack import descendants, left_of, stack_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[dict[str, int]]:
+def running(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, dict[str, int], Path]]:
+    """The stack in its own process group: the module's last test stops it as a supervisor
+    would (the same stack as the tests before it: a second stack would cost a minute)."""
     run_dir = tmp_path_factory.mktemp("stack")
     # Short votes: the tiny judge model's text is noise, only the mechanics are tested.
     short_votes = {"CLAWRL_BACKEND__MAX_NEW_TOKENS": "8"}
-    with local_stack(run_dir, ("gateway", "/readyz"), env=short_votes) as ports:
-        yield ports
+    with stack_process(
+        run_dir, ("gateway", "/readyz"), env=short_votes, new_session=True, stop_timeout_s=120
+    ) as (proc, ports):
+        yield proc, ports, run_dir
     # Every child is gone with the stack: its ports are free again.
     for port in ports.values():
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+
+
+@pytest.fixture(scope="module")
+def stack(running) -> dict[str, int]:
+    return running[1]
 
 
 def test_a_session_through_the_stack_lands_on_the_turns_stream(stack: dict[str, int]) -> None:
@@ -96,7 +110,8 @@ def test_the_judge_turns_the_sessions_turns_into_samples(stack: dict[str, int]) 
         assert list(sample.old_logprobs) == list(turns[sample_id].response_logprobs)
     assert len(samples[ids[0]].votes) == 3 and samples[ids[0]].reward_source == "prm"
     assert samples[ids[1]].mask_reason == MaskReason.MASK_REASON_NO_NEXT_STATE
-    assert r.xpending("clawrl:turns", "judges")["pending"] == 0
+    # The judge acknowledges a turn once its sample is on the stream: just after it.
+    wait_until(lambda: r.xpending("clawrl:turns", "judges")["pending"] == 0, 30, "turns acked")
 
 
 def test_a_prompt_beyond_the_models_trained_context_is_served(stack: dict[str, int]) -> None:
@@ -227,3 +242,31 @@ def test_an_anthropic_messages_agent_with_tools_trains_through_the_stack(
     for sample in _samples_of(r, "e2e-messages"):
         turn = next(t for t in turns if t.turn_id == sample.sample_id)
         assert list(sample.response_ids) == list(turn.response_ids)
+
+
+def test_two_terms_to_the_group_leave_no_process_behind(running) -> None:
+    """Last in this module (it stops the stack): a supervisor sends TERM to stack.py's process
+    group twice, the second while the stop is under way; it exits cleanly and leaves no process
+    behind, Redis, engines, gateway, judge, trainer, Ray's raylet and workers and the
+    weight-sync launcher included."""
+    proc, ports, run_dir = running
+    stack: dict[int, tuple[int, int, int]] = {}
+    try:
+        # The weight-sync launcher is the last to start: then everything is up.
+        url = f"http://127.0.0.1:{ports['sync-metrics']}/metrics"
+        wait_until(lambda: httpx.get(url).status_code == 200, 480, url, proc)
+        stack = descendants(proc.pid)
+        commands = " ".join(Path(f"/proc/{pid}/cmdline").read_text() for pid in stack)
+        assert "redis-server" in commands and "raylet" in commands and "ray::" in commands
+        os.killpg(proc.pid, signal.SIGTERM)
+        # One of its processes is gone: the stop is under way.
+        wait_until(lambda: len(left_of(stack)) < len(stack), 60, "the first service's end")
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (run_dir / "stack.log").read_text()[-3000:]
+        wait_until(lambda: not left_of(stack), 30, "the end of every process of the stack")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in left_of(stack) if stack else []:
+            os.kill(pid, signal.SIGKILL)
