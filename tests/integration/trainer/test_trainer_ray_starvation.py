@@ -17,7 +17,9 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-STARVED_S = 20
+# Ray's default gives up after 5 failed checks (2.5-5 s here), the trainer's runtime after 50
+# (25-50 s): 12 s is well past the one and well inside the other.
+STARVED_S = 12
 FAST_CHECKS = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500"}
 DRIVER = f"""
 import os, signal, time
