@@ -5,6 +5,8 @@ route, not the rest of the context window."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -63,14 +65,20 @@ def test_a_request_without_a_completion_limit_gets_the_default_one(gateway):
     """Chat completions without max_tokens and Responses with `max_output_tokens: null` stop
     at the default cap (the window, 8192 tokens on the tiny model, leaves room for more)."""
     side = {"X-Turn-Type": "side"}
-    chat = httpx.post(f"{gateway.base_url}/chat/completions", headers=side, timeout=TIMEOUT,
-                      json={"messages": [user("\x00")], "temperature": 0})  # fmt: skip
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{gateway.base_url}{route}", headers=side, timeout=TIMEOUT, json=body)
+
+    # Both at once: the engine decodes them in one batch (4096 tokens each take a while).
+    with ThreadPoolExecutor(2) as pool:
+        chat_reply = pool.submit(post, "/chat/completions",
+                                 {"messages": [user("\x00")], "temperature": 0})  # fmt: skip
+        responses_reply = pool.submit(post, "/responses", {"input": "\x00",
+                                      "max_output_tokens": None, "temperature": 0})  # fmt: skip
+        chat, responses = chat_reply.result(), responses_reply.result()
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
     assert chat.json()["choices"][0]["finish_reason"] == "length"
-    responses = httpx.post(f"{gateway.base_url}/responses", headers=side, timeout=TIMEOUT,
-                           json={"input": "\x00", "max_output_tokens": None,
-                                 "temperature": 0})  # fmt: skip
     assert responses.status_code == 200, responses.text
     assert responses.json()["usage"]["output_tokens"] == DEFAULT_MAX_TOKENS
     assert responses.json()["status"] == "incomplete"
