@@ -132,11 +132,11 @@ def test_lora_syncs_pause_nothing_and_each_turn_records_its_adapter(
     for replica in lora_replicas:
         assert replica.chat("warm up").status_code == 200
     with MainTurns(lora_replicas) as load:
-        time.sleep(1.0)  # base-model turns first
+        load.wait_answer("clawrl-policy-v0")  # base-model turns first
         first = sync_adapter(lora_env, lora_replicas, [lora_engine], 1, adapters["policy-v1"])
-        time.sleep(1.0)
+        load.wait_answer("clawrl-policy-v1")
         second = sync_adapter(lora_env, lora_replicas, [lora_engine], 2, adapters["policy-v2"])
-        time.sleep(1.0)
+        load.wait_answer("clawrl-policy-v2")
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     assert "(adapter policy-v2): ok; no pause" in second.stderr

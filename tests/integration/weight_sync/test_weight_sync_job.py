@@ -25,6 +25,7 @@ from clawrl.trainer.weight_sync.job import SyncResult, sync_version
 from clawrl.trainer.weight_sync.launcher import SyncWatcher
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from clawrl.trainer.weight_sync.settings import WeightSyncSettings
+from tests.conftest import wait_until
 
 from .conftest import run_sync, sync_argv
 
@@ -76,6 +77,14 @@ class Load:
             body = reply.json()
             self.answers.append((reply.status_code, body.get("system_fingerprint", str(body))))
 
+    def wait_answer(self, fingerprint: str | None = None, timeout_s: float = 120) -> None:
+        """Until an answer comes back after this call (from `fingerprint`'s weights, if given):
+        no fixed sleep, which a loaded host may outlast and an idle one need not wait."""
+        seen = len(self.answers)
+        what = f"an answer from {fingerprint}" if fingerprint else "an answer"
+        wait_until(lambda: any(fingerprint in (None, answer[-1]) and answer[0] == 200
+                               for answer in self.answers[seen:]), timeout_s, what)  # fmt: skip
+
     def __enter__(self):
         for thread in self.threads:
             thread.start()
@@ -98,10 +107,10 @@ def test_sync_pauses_loads_everywhere_and_resumes_with_the_new_version(
     announce_version(redis_url, sync_env["CLAWRL_REDIS__VERSIONS_STREAM"], 1, checkpoints["v1"])
     pauses = [r.metric("clawrl_gateway_pauses_total") for r in replicas]
     with Load(replicas) as load:
-        time.sleep(1.0)  # traffic flowing before the sync
+        load.wait_answer()  # traffic flowing before the sync
         done = run_sync(sync_env, replicas, [engine], "run", "--version", "1", "--path",
                         str(checkpoints["v1"]), "--job-id", "job-ok")  # fmt: skip
-        time.sleep(1.0)  # and after it
+        load.wait_answer("clawrl-policy-v1")  # and after it
     assert done.returncode == 0, done.stderr
     # One pause on each replica, held by this job (counted and logged by the gateway: a pause
     # can be over before a poller sees it).
