@@ -168,6 +168,18 @@ def idle_pair(gateways) -> tuple[GatewayHandle, GatewayHandle]:
 
 
 @pytest.fixture(scope="session")
+def scripted(gateways) -> Iterator[tuple]:
+    """A scripted SGLang stand-in (test_gateway_apis.ScriptedEngine) and a default gateway in
+    front of it, shared by the modules that script replies (each test scripts and reads its
+    own; one gateway start instead of one a module)."""
+    from .test_gateway_apis import ScriptedEngine
+
+    engine = ScriptedEngine().start()
+    yield engine, gateways.ready(gateways.start("scripted", engine_url=engine.url))
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
 def renderer():
     from clawrl.common.chat import ChatRenderer
     from clawrl.common.settings import ModelSettings

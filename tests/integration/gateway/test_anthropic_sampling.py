@@ -18,15 +18,13 @@ QUESTION = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def engine():
-    scripted = ScriptedEngine().start()
-    yield scripted
-    scripted.stop()
+def engine(scripted) -> ScriptedEngine:
+    return scripted[0]  # shared with test_gateway_apis (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def scripted_gateway(gateways, engine):
-    return gateways.ready(gateways.start("anthropic-sampling", engine_url=engine.url))
+def scripted_gateway(scripted):
+    return scripted[1]
 
 
 def test_the_client_refuses_sampling_keywords_before_sending(scripted_gateway, engine):

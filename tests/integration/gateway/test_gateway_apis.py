@@ -125,15 +125,13 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    scripted = ScriptedEngine().start()
-    yield scripted
-    scripted.stop()
+def engine(scripted) -> ScriptedEngine:
+    return scripted[0]
 
 
 @pytest.fixture(scope="module")
-def scripted_gateway(gateways, engine):
-    return gateways.ready(gateways.start("apis-scripted", engine_url=engine.url))
+def scripted_gateway(scripted):
+    return scripted[1]
 
 
 def openai_client(handle, key: str = "none") -> openai.OpenAI:
