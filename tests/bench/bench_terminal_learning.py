@@ -61,15 +61,40 @@ def trainer_version(port: int) -> int:
     return int(metrics.get(("clawrl_trainer_policy_version", ()), 0))
 
 
-def settle(port: int, quiet_s: float = 45.0, limit_s: float = 300.0) -> int:
-    """Wait until the trainer's version has not moved for `quiet_s`: what the judge and the
-    trainer still held when the runner paused is trained or masked by then."""
-    version, since, deadline = trainer_version(port), time.monotonic(), time.monotonic() + limit_s
-    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
-        time.sleep(5)
-        now = trainer_version(port)
+def stream_lag(redis_port: int, stream: str, group: str) -> int:
+    """Entries of `stream` its consumer group `group` has not read yet."""
+    import redis
+
+    client = redis.Redis(port=redis_port)
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream yet
+        return 0
+    finally:
+        client.close()
+    return sum(int(g.get("lag") or 0) for g in groups if g["name"] in (group, group.encode()))
+
+
+def settle(ports: dict[str, int], limit_s: float = 900.0) -> int:
+    """Wait until what the judge and the trainer still held when the runner paused is trained
+    (or masked): no turn left for the judges, no sample left for the trainer, and the
+    trainer's version unmoved for longer than one of its steps takes. -> that version."""
+    metrics = f"http://127.0.0.1:{ports['trainer-metrics']}/metrics"
+    version, since, deadline = -1, time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        scraped = scrape(metrics)
+        now = int(scraped.get(("clawrl_trainer_policy_version", ()), 0))
+        total = (("phase", "total"),)
+        count = scraped.get(("clawrl_trainer_step_duration_seconds_count", total), 0)
+        step_s = scraped.get(("clawrl_trainer_step_duration_seconds_sum", total), 0) / max(count, 1)
         if now != version:
             version, since = now, time.monotonic()
+        drained = not stream_lag(ports["redis"], "clawrl:turns", "judges") and not stream_lag(
+            ports["redis"], "clawrl:samples", "trainers"
+        )
+        if drained and time.monotonic() - since > max(60.0, 1.5 * step_s):
+            break
+        time.sleep(5)
     time.sleep(10)  # the sync that loads it into the engine the gateway serves
     return version
 
@@ -89,6 +114,12 @@ def held_out(
     print(done.stdout, end="", flush=True)
     if done.returncode != 0:
         sys.exit(f"clawrl eval failed: {done.stdout}{done.stderr}")
+    return read_eval(out)
+
+
+def read_eval(out: Path) -> dict[str, object]:
+    """An evaluation's episodes (out/eval-*.jsonl): per family the passes among the episodes
+    played whole by the newest version seen, and how many were left out."""
     episodes = [json.loads(line) for p in out.glob("eval-*.jsonl") for line in p.open()]
     seen = [e["policy_version"] for e in episodes if e["policy_version"] is not None]
     version = max(seen, default=None)
@@ -216,7 +247,7 @@ def main() -> None:
             left = (deadline - time.monotonic()) / 60
             print(f"  v{version}, {left:.1f} min left", flush=True)
         os.kill(runner, signal.SIGSTOP)
-        final = settle(ports["trainer-metrics"])
+        final = settle(ports)
         print(f"runner paused; trainer settled at v{final}", flush=True)
         after = held_out(ports, env, args, run_dir / f"eval-v{final}")
         curve = train_curve(run_dir / "agent" / "episodes.jsonl")

@@ -1,7 +1,7 @@
 """Track 2's operational values, rendered by the real `helm`: the judge's `[episodes]` settings
 (judge.episodes), deploy/values-terminal.yaml as `make run RUN_ARGS="--track terminal"` runs
-it (the outcome alone, rl samples, the step_wise estimator), the sandbox service's bearer token
-reaching the agent runner (environments.tokenSecret, and the renders that must fail without
+it (the outcome alone, rl samples, grpo against the batch's mean), the sandbox service's bearer
+token reaching the agent runner (environments.tokenSecret, and the renders that must fail without
 it), and the runner's /metrics scraped for the agents dashboard."""
 
 from __future__ import annotations
@@ -88,13 +88,15 @@ def test_the_schema_refuses_bad_episode_and_runner_values(
 
 def test_the_terminal_values_run_the_loop_as_make_run_does(settings_of) -> None:
     """deploy/values-terminal.yaml: the outcome alone (prm_step_coef 0: the small PRM judges
-    at chance), rl samples, and the trainer's step_wise estimator (deploy/local/terminal.py)."""
+    at chance), rl samples, and grpo against the batch's mean (deploy/local/terminal.py's
+    default --terminal-advantage batch)."""
     objects = rendered(terminal=True)
     judge = settings_of(JudgeSettings, container_env(objects, *JUDGE))
     assert judge.judging.mode == "rl" and judge.waits_for_outcomes
     assert judge.episodes.prm_step_coef == 0.0
     trainer = settings_of(TrainerSettings, container_env(objects, *TRAINER_HEAD))
-    assert trainer.advantage.estimator == "step_wise"
+    assert trainer.advantage.estimator == "grpo"
+    assert trainer.advantage.normalize_groups and trainer.advantage.group_by == "batch"
     # The base chart trains combine: the terminal file is what changes it.
     base = container_env(rendered(), *TRAINER_HEAD)
     assert settings_of(TrainerSettings, base).advantage.estimator == "combine"
