@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,13 +192,12 @@ def closed(service: SandboxService, reason: str) -> float:
 def test_sigterm_mid_episode_closes_the_lease_at_once(gateway, service, tmp_path):
     before = closed(service, "closed"), closed(service, "expired")
     runner = start_runner_in_checker(gateway, service, tmp_path)
-    stopped = time.monotonic()
     runner.send_signal(signal.SIGTERM)
     assert runner.wait(timeout=10) == 143
-    took = time.monotonic() - stopped
     assert leases(service) == []
-    assert took < TTL_S, took  # closed by the runner, not reclaimed
     assert wait_no_processes(f"sleep {SLEEP}") == []
+    # Closed by the runner, not reclaimed by the reaper (which would count it expired): no
+    # wall-clock bound, which a loaded host breaks.
     assert (closed(service, "closed"), closed(service, "expired")) == (before[0] + 1, before[1])
     assert not (tmp_path / "episodes.jsonl").read_text()  # the cancelled episode is no result
 
@@ -226,6 +224,11 @@ def mkdir_tasks(directory: Path) -> Path:
     ], ["sh", "mkdir", "ls"])  # fmt: skip
 
 
+def checked(episodes: list[dict]) -> list[dict]:
+    """The episodes whose checker ran (the others broke off)."""
+    return [e for e in episodes if e["passed"] is not None]
+
+
 def test_until_stopped_with_the_held_out_split_evaluated_beside(gateway, service, tmp_path):
     # make run's terminal track: the train split over and over, the held-out split greedily for
     # the first version seen (v0) into the CSV and plot, until SIGTERM.
@@ -235,8 +238,8 @@ def test_until_stopped_with_the_held_out_split_evaluated_beside(gateway, service
     with (tmp_path / "runner.log").open("wb") as log:
         runner = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         csv = evals / "terminal-held-out.csv"
-        wait_until(lambda: csv.is_file() and len(lines_of(out)) >= 2, 180, "two episodes and "
-                   "the held-out evaluation", runner)  # fmt: skip
+        wait_until(lambda: csv.is_file() and len(checked(lines_of(out))) >= 2, 180,
+                   "two checked episodes and the held-out evaluation", runner)  # fmt: skip
         runner.send_signal(signal.SIGTERM)
         assert runner.wait(timeout=15) == 143
     header, row = csv.read_text().splitlines()
@@ -249,7 +252,10 @@ def test_until_stopped_with_the_held_out_split_evaluated_beside(gateway, service
     assert (evals / "terminal-held-out.png").read_bytes()[:4] == b"\x89PNG"
     trained = lines_of(out)
     assert {e["task_id"] for e in trained} == {"mkdir.limit"}
-    assert {e["outcome"] for e in trained} == {"accepted"}
+    # Every checked episode's outcome reached the gateway. One that broke off (on a loaded host
+    # a lease of this module's 3 s TTL can lapse between heartbeats) posts none, and says why.
+    assert {e["outcome"] for e in checked(trained)} == {"accepted"}
+    assert all(e["error"] and not e["outcome"] for e in trained if e["passed"] is None)
     assert held_out[0]["outcome"] == "skipped"  # side turns: nothing posted
     assert leases(service) == []
 
