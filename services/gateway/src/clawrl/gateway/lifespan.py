@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry  # the asyncio one: redis-py awaits its calls
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer

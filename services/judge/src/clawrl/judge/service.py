@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry  # the asyncio one: redis-py awaits its calls
 from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer
