@@ -201,7 +201,12 @@ async def test_a_primary_killed_under_load_loses_no_turn_and_trains_none_twice(
     settings = judge_settings(cluster.url, judging={"mode": "rl", **BANANA})
     redis_section = {**settings.redis.model_dump(), "turns_stream": gateway.stream,
                      "cluster": True, "stream_shards": SHARDS}  # fmt: skip
-    settings = settings.with_overrides({"redis": redis_section, "workers": {"retry_max_s": 2}})
+    # A read whose reply died with the primary leaves its turns pending on this judge, which
+    # takes them back only once idle past claim_idle_ms (60 s by default, longer than the waits
+    # below: 1 run in 3-4 failed so under load). 10 s here; in-flight turns are refreshed every
+    # third of it.
+    workers = {"retry_max_s": 2, "claim_idle_ms": 10_000}
+    settings = settings.with_overrides({"redis": redis_section, "workers": workers})
     trainer = TrainerSettings(
         redis=settings.redis.model_dump(), consumer={"name": "t1", "block_ms": 100}
     )
