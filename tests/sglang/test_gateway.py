@@ -91,14 +91,20 @@ def test_a_recorded_turn_is_what_sglang_returns(gateway, sglang_url, stream):
 def test_sampled_turns_record_raw_log_probs(gateway, sglang_url):
     """At temperature 2 the recorded log-probs are those of the untempered model (the teacher
     pass over the same ids), as the trainer assumes: SGLANG_RETURN_ORIGINAL_LOGPROB, which
-    the launcher sets, at work through the gateway (bf16 decode vs prefill noise: ~1%)."""
+    the launcher sets, at work through the gateway. SGLang decodes and prefills in bf16 on
+    CPU, so a token's log-prob differs by up to ~1% or ~0.15 nats (CI saw -2.036 against
+    -1.892); tempered ones (log softmax of logits / 2) are 17-26% off over a
+    16-token reply (measured with transformers, 3 seeds)."""
     _, turn = one_turn(gateway, [user("Tell me a story.")], max_tokens=16, temperature=2.0)
     prompt, response = list(turn.prompt_ids), list(turn.response_ids)
     scored = httpx.post(
         f"{sglang_url}/generate", json=teacher_request(prompt, response, 0), timeout=300
     ).json()
     teacher = teacher_from_meta(scored["meta_info"], response, 0).logprobs
-    assert list(turn.response_logprobs) == pytest.approx(teacher, rel=0.03, abs=0.1)
+    assert list(turn.response_logprobs) == pytest.approx(teacher, rel=0.03, abs=0.25)
+    # Over the whole reply the gap is ~0.5% of the log-probs' size (3 runs here).
+    gap = sum(abs(a - b) for a, b in zip(turn.response_logprobs, teacher, strict=True))
+    assert gap / sum(abs(b) for b in teacher) < 0.02
     assert turn.temperature == 2.0
 
 
