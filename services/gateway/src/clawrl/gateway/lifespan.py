@@ -160,6 +160,7 @@ def create_engine(settings: GatewaySettings) -> SGLangClient:
         timeout_s=settings.serving.engine_timeout_s,
         connect_timeout_s=settings.serving.engine_connect_timeout_s,
         max_connections=settings.serving.engine_max_connections,
+        lean_generate=True,  # the hot path: ~0.1 ms of CPU less a request than aiohttp
     )
 
 
