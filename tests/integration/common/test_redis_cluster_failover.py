@@ -201,11 +201,12 @@ async def test_a_primary_killed_under_load_loses_no_turn_and_trains_none_twice(
     settings = judge_settings(cluster.url, judging={"mode": "rl", **BANANA})
     redis_section = {**settings.redis.model_dump(), "turns_stream": gateway.stream,
                      "cluster": True, "stream_shards": SHARDS}  # fmt: skip
-    # A read whose reply died with the primary leaves its turns pending on this judge, which
-    # takes them back only once idle past claim_idle_ms (60 s by default, longer than the waits
-    # below: 1 run in 3-4 failed so under load). 10 s here; in-flight turns are refreshed every
-    # third of it.
-    workers = {"retry_max_s": 2, "claim_idle_ms": 10_000}
+    # Turns the judge read but had not started when Redis failed (its dedupe lookup right
+    # after the read), or whose read reply or XACK died with the primary, stay pending on this
+    # judge: strays, taken back at its next sweep (5 s). Before, they waited for claim_idle_ms
+    # (60 s, the default kept here, longer than the waits below), or forever while still held:
+    # 1 run in 7-8 failed so.
+    workers = {"retry_max_s": 2}
     settings = settings.with_overrides({"redis": redis_section, "workers": workers})
     trainer = TrainerSettings(
         redis=settings.redis.model_dump(), consumer={"name": "t1", "block_ms": 100}

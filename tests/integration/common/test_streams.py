@@ -212,3 +212,44 @@ async def test_claiming_pages_past_held_entries(redis: Redis) -> None:
     c.release(entries[3].entry_id, entries[4].entry_id)  # the first three stay held
     await asyncio.sleep(0.05)
     assert [e.record_id for e in await c.claim(2)] == ["s:3", "s:4"]
+
+
+async def test_entries_of_a_lost_read_reply_are_taken_back_within_seconds(redis: Redis) -> None:
+    """A read whose reply a dropped connection lost (Redis delivered, the client never saw it,
+    redis-py's retry read on): its entries are pending on the consumer, which does not hold
+    them. They come back at the next sweep, not after claim_idle_ms (here an hour)."""
+    stream = f"t:{uuid.uuid4().hex}"
+    c = consumer(redis, stream, "c", claim_idle_ms=3_600_000, sweep_interval_s=0.5)
+    await c.ensure_group()
+    await fill(redis, stream, 4)
+    assert [e.record_id for e in await c.read(1, block_ms=10)] == ["s:0"]  # held
+    await redis.xreadgroup("g", "c", {stream: ">"}, count=2)  # s:1, s:2: the lost reply
+    assert [e.record_id for e in await c.read(1, block_ms=10)] == ["s:3"]  # not yet swept
+    assert await c.read(10, block_ms=10) == []
+    await asyncio.sleep(1.1)  # idle past STRAY_IDLE_MS, past the sweep interval
+    taken = await c.read(10, block_ms=10)
+    assert [(e.record_id, e.deliveries) for e in taken] == [("s:1", 2), ("s:2", 2)]
+    await asyncio.sleep(1.1)
+    assert await c.read(10, block_ms=10) == []  # held now, never taken twice
+
+
+async def test_a_lost_acknowledgement_is_swept_but_a_failure_waits_for_claim_idle(
+    redis: Redis,
+) -> None:
+    """The judge commits a turn in a script that XACKs it, then stops holding it; a failover can
+    lose that XACK (the old primary answered, its replica never had it), leaving the turn
+    pending and unjudged: a stray, back within seconds. A turn whose judging failed is released
+    to wait `claim_idle_ms` (the retry's back-off): no stray."""
+    stream = f"t:{uuid.uuid4().hex}"
+    c = consumer(redis, stream, "c", claim_idle_ms=3_600_000, sweep_interval_s=0.5)
+    await c.ensure_group()
+    await fill(redis, stream, 3)
+    failed, lost, done = await c.read(3, block_ms=10)
+    c.release(failed.entry_id)
+    c.forget(lost.entry_id)  # acknowledged in a script whose XACK never reached the new primary
+    await redis.xack(stream, "g", done.entry_id)
+    c.release(done.entry_id)  # acknowledged, then released: pruned at the next sweep
+    await asyncio.sleep(1.1)
+    taken = await c.read(10, block_ms=10)
+    assert [(e.entry_id, e.deliveries) for e in taken] == [(lost.entry_id, 2)]
+    assert c.released == {failed.entry_id}

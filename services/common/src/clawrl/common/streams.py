@@ -5,24 +5,32 @@ at-least-once: a consumer XACKs an entry only once its work is durable, so a con
 leaves its entries pending, and a live one takes them over (XCLAIM) once they are idle for
 `claim_idle_ms`. Consumers therefore deduplicate on the record `id`. A consumer never takes over
 what it still holds itself (read and neither acknowledged nor released), however long it holds
-it. An entry delivered more than `max_deliveries` times without being acknowledged (a poison
-entry) goes to the dead-letter stream with its reason.
+it. Entries pending on a consumer that it neither holds nor released after a failure (a read
+whose reply a dropped connection lost, entries it forgot unstarted, an acknowledgement a
+failover lost) are its strays, taken back within seconds rather than after `claim_idle_ms`. An entry
+delivered more than `max_deliveries` times without being acknowledged (a poison entry) goes to
+the dead-letter stream with its reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from clawrl.common.records import Sample, Turn, encode_entry
 from clawrl.common.shards import Shards
 
 log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+STRAY_IDLE_MS = 1_000  # GroupConsumer.take_strays
+STRAY_PAGE = 500
 
 
 async def publish(redis: Redis, stream: str, record: Turn | Sample, maxlen: int) -> str:
@@ -70,6 +78,7 @@ class GroupConsumer:
         max_deliveries: int = 5,
         claim_idle_ms: int = 60_000,
         deadletter_maxlen: int = 100_000,
+        sweep_interval_s: float = 5.0,
     ) -> None:
         self.redis = redis
         self.stream = stream
@@ -82,6 +91,10 @@ class GroupConsumer:
         # Entries handed out and not yet acknowledged, dead-lettered or released: never claimed
         # back from ourselves (each claim would count as one more delivery).
         self.holding: set[str] = set()
+        # Released ones (some still pending, to be claimed once idle): not strays (see below).
+        self.released: set[str] = set()
+        self.sweep_interval_s = sweep_interval_s
+        self._next_sweep = 0.0  # the first read sweeps: a restart under the same name
 
     async def ensure_group(self) -> None:
         """Create the group (reading from the stream's start) unless it exists."""
@@ -92,21 +105,30 @@ class GroupConsumer:
                 raise
 
     async def read(self, count: int, block_ms: int | None = 1000) -> list[Entry]:
-        """Up to `count` entries: first those idle past `claim_idle_ms` that this consumer does
-        not hold (a dead consumer's, or released ones), then new ones (blocking up to `block_ms`
-        when there are none; None: not at all). The caller holds them until it acks,
-        dead-letters or releases."""
-        entries = await self.claim(count)
-        if len(entries) < count:
-            reply = await self.redis.xreadgroup(
-                self.group,
-                self.consumer,
-                {self.stream: ">"},
-                count=count - len(entries),
-                block=None if entries else block_ms,
-            )
-            for _stream, items in reply or []:
-                entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
+        """Up to `count` entries: first this consumer's strays (every `sweep_interval_s`), then
+        those idle past `claim_idle_ms` that it does not hold (a dead consumer's, or released
+        ones), then new ones (blocking up to `block_ms` when there are none; None: not at all).
+        The caller holds them until it acks, dead-letters or releases."""
+        entries: list[Entry] = []
+        try:
+            if time.monotonic() >= self._next_sweep:
+                entries = await self.take_strays(count)
+                self._next_sweep = time.monotonic() + self.sweep_interval_s
+            entries += await self.claim(count - len(entries))
+            if len(entries) < count:
+                reply = await self.redis.xreadgroup(
+                    self.group,
+                    self.consumer,
+                    {self.stream: ">"},
+                    count=count - len(entries),
+                    block=None if entries else block_ms,
+                )
+                for _stream, items in reply or []:
+                    entries += [Entry(_text(eid), fields) for eid, fields in items if fields]
+        except REDIS_ERRORS:
+            # What this read took before it failed was never handed out: strays for a sweep.
+            self.holding.difference_update(entry.entry_id for entry in entries)
+            raise
         self.holding.update(entry.entry_id for entry in entries)
         return entries
 
@@ -138,14 +160,52 @@ class GroupConsumer:
         an entry only one gets it. Entries then delivered more than `max_deliveries` times are
         dead-lettered here, not returned. (Entries trimmed from the stream while pending leave
         the pending list in the XCLAIM: Redis >= 7.)"""
-        deliveries = await self._idle_pending(count)
+        deliveries = await self._idle_pending(count) if count > 0 else {}
+        return await self._take(deliveries, self.claim_idle_ms)
+
+    async def take_strays(self, count: int) -> list[Entry]:
+        """Up to `count` entries pending on this consumer, idle for `STRAY_IDLE_MS`, that it
+        neither holds nor released: Redis delivered them to a read (or claim) whose reply never
+        came back (a dropped connection, a failover; redis-py's retry then reads on), or to an
+        earlier process under the same name. Taken back now rather than after `claim_idle_ms`
+        (a minute by default), as one more delivery. The idle floor keeps a racing consumer's
+        fresh claim from being taken back: XCLAIM re-checks it."""
+        own: dict[str, tuple[int, int]] = {}  # entry id -> (idle ms, deliveries)
+        start = "-"
+        while True:
+            rows = await self.redis.xpending_range(
+                self.stream, self.group, min=start, max="+", count=STRAY_PAGE,
+                consumername=self.consumer,
+            )  # fmt: skip
+            for row in rows:
+                own[_text(row["message_id"])] = (
+                    int(row["time_since_delivered"]), int(row["times_delivered"])
+                )  # fmt: skip
+            if len(rows) < STRAY_PAGE:
+                break
+            start = "(" + _text(rows[-1]["message_id"])
+        self.released &= own.keys()  # the rest were acknowledged or taken over since
+        strays = {
+            eid: deliveries
+            for eid, (idle_ms, deliveries) in own.items()
+            if idle_ms >= STRAY_IDLE_MS and eid not in self.holding and eid not in self.released
+        }
+        strays = dict(list(strays.items())[: max(count, 0)])
+        if strays:
+            log.warning("taking back %d entries of %s delivered to %s and never received",
+                        len(strays), self.stream, self.consumer)  # fmt: skip
+        return await self._take(strays, STRAY_IDLE_MS)
+
+    async def _take(self, deliveries: dict[str, int], min_idle_ms: int) -> list[Entry]:
+        """XCLAIM these entries (id -> deliveries so far) if still idle for `min_idle_ms`; those
+        now delivered more than `max_deliveries` times are dead-lettered, not returned."""
         if not deliveries:
             return []
         reply = await self.redis.xclaim(
             self.stream,
             self.group,
             self.consumer,
-            min_idle_time=self.claim_idle_ms,
+            min_idle_time=min_idle_ms,
             message_ids=list(deliveries),
         )
         entries = []
@@ -155,6 +215,7 @@ class GroupConsumer:
             # XCLAIM counted one more delivery than the XPENDING row said.
             entry = Entry(_text(eid), fields, deliveries[_text(eid)] + 1)
             self.holding.add(entry.entry_id)
+            self.released.discard(entry.entry_id)
             if entry.deliveries > self.max_deliveries:
                 await self.dead_letter(
                     entry, f"delivered {entry.deliveries} times without being acknowledged"
@@ -181,16 +242,31 @@ class GroupConsumer:
             start = "(" + _text(rows[-1]["message_id"])  # exclusive: the next page
         return found
 
+    async def refresh(self, *entry_ids: str) -> None:
+        """Reset held entries' idle time (XCLAIM JUSTID to this consumer: no delivery counted),
+        so that work taking longer than `claim_idle_ms` is not taken over as abandoned."""
+        if entry_ids:
+            await self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_time=0,
+                                    message_ids=list(entry_ids), justid=True)  # fmt: skip
+
     def release(self, *entry_ids: str) -> None:
-        """Stop holding entries without acknowledging them (their work failed, or was
-        acknowledged elsewhere, e.g. inside a script): pending ones are taken over once idle
-        for `claim_idle_ms`, by this consumer too, each time as one more delivery."""
+        """Stop holding entries whose work failed, without acknowledging them: they are taken
+        over once idle for `claim_idle_ms` (the retry's back-off), by this consumer too, each
+        time as one more delivery."""
+        self.holding.difference_update(entry_ids)
+        self.released.update(entry_ids)
+
+    def forget(self, *entry_ids: str) -> None:
+        """Stop holding entries without releasing them: acknowledged elsewhere (inside a
+        script, with their work), or never worked on (the caller failed right after the read).
+        One still pending here (never started, or its XACK lost in a failover: the old primary
+        answered, its replica never had it) is a stray, taken back at the next sweep."""
         self.holding.difference_update(entry_ids)
 
     async def ack(self, *entry_ids: str) -> None:
         if entry_ids:
             await self.redis.xack(self.stream, self.group, *entry_ids)
-            self.release(*entry_ids)
+            self.holding.difference_update(entry_ids)
 
     async def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move an entry to the dead-letter stream with its reason, then acknowledge it, in one
@@ -209,7 +285,7 @@ class GroupConsumer:
             )
             pipe.xack(self.stream, self.group, entry.entry_id)
             await pipe.execute()
-        self.release(entry.entry_id)
+        self.holding.discard(entry.entry_id)
         log.warning(
             "dead-lettered %s entry %s (%s): %s",
             self.stream,
@@ -265,7 +341,16 @@ class ShardedConsumer:
         self._next = (self._next + 1) % len(self.shards)
         for index in order:
             if len(entries) < count:
-                got = await self.shards[index].read(count - len(entries), block_ms=None)
+                try:
+                    got = await self.shards[index].read(count - len(entries), block_ms=None)
+                except REDIS_ERRORS as exc:
+                    if not entries:
+                        raise
+                    # Earlier shards' entries are held now: hand them out; this shard's error
+                    # comes back at the next read.
+                    log.warning("reading %s failed after other shards delivered: %s",
+                                self.shards[index].stream, exc)  # fmt: skip
+                    return entries
                 entries += self._qualified(index, got)
         if entries or not block_ms:
             return entries
@@ -289,13 +374,25 @@ class ShardedConsumer:
             shard, raw = self._split(entry_id)
             shard.release(raw)
 
-    async def ack(self, *entry_ids: str) -> None:
+    def forget(self, *entry_ids: str) -> None:
+        for entry_id in entry_ids:
+            shard, raw = self._split(entry_id)
+            shard.forget(raw)
+
+    def _by_shard(self, entry_ids: tuple[str, ...]) -> dict[int, list[str]]:
         by_shard: dict[int, list[str]] = {}
         for entry_id in entry_ids:
             shard, _, raw = entry_id.partition("/")
             by_shard.setdefault(int(shard), []).append(raw)
-        for index, raws in by_shard.items():
+        return by_shard
+
+    async def ack(self, *entry_ids: str) -> None:
+        for index, raws in self._by_shard(entry_ids).items():
             await self.shards[index].ack(*raws)
+
+    async def refresh(self, *entry_ids: str) -> None:
+        for index, raws in self._by_shard(entry_ids).items():
+            await self.shards[index].refresh(*raws)
 
     async def dead_letter(self, entry: Entry, reason: str) -> None:
         shard, raw = self._split(entry.entry_id)

@@ -137,6 +137,16 @@ class Worker:
 
     async def _read_once(self, count: int) -> None:
         entries = await self.consumer.read(count, self.settings.block_ms)
+        try:
+            await self._start(entries)
+        except BaseException:
+            # Read and held, never started (Redis failed in between): not lost to a hold no
+            # claim ever takes over, but strays that the consumer's next sweep takes back.
+            self.consumer.forget(*(e.entry_id for e in entries if e.entry_id not in self.in_flight))
+            raise
+
+    async def _start(self, entries: list[Entry]) -> None:
+        """Dead-letter the malformed, acknowledge turns judged before, start judging the rest."""
         if not entries:
             return
         ready: list[tuple[Entry, TurnView]] = []
@@ -248,11 +258,12 @@ class Worker:
             log.warning("cannot dead-letter %s: %s", entry.entry_id, exc)
             self.metrics.errors.labels("redis").inc()
 
-    def _forget(self, item: InFlight) -> None:
+    def _forget(self, item: InFlight, *, committed: bool = False) -> None:
         self.in_flight.pop(item.entry.entry_id, None)
-        # Committed (the script acknowledged it) or failed (pending: once idle it is claimed
-        # again, by this worker too, as one more delivery).
-        self.consumer.release(item.entry.entry_id)
+        if committed:  # the commit script acknowledged it
+            self.consumer.forget(item.entry.entry_id)
+        else:  # failed: pending, claimed again once idle (by this worker too), a delivery more
+            self.consumer.release(item.entry.entry_id)
         self.metrics.in_flight.set(len(self.in_flight))
         self._room.set()
         if not self.in_flight:
@@ -286,7 +297,7 @@ class Worker:
         for (item, judgement), outcome in zip(batch, outcomes, strict=True):
             self.metrics.turns.labels(outcome).inc()
             self.metrics.turn_latency.observe(now - item.started)
-            self._forget(item)
+            self._forget(item, committed=True)
             log.debug("turn %s: %s (%s)", judgement.sample.sample_id, outcome,
                       judgement.audit.get("mask_reason"))  # fmt: skip
 
@@ -316,14 +327,7 @@ class Worker:
             if not ids:
                 continue
             try:
-                await self.consumer.redis.xclaim(
-                    self.consumer.stream,
-                    self.consumer.group,
-                    self.consumer.consumer,
-                    min_idle_time=0,
-                    message_ids=ids,
-                    justid=True,
-                )
+                await self.consumer.refresh(*ids)
             except REDIS_ERRORS as exc:
                 log.warning("cannot refresh %d in-flight turns: %s", len(ids), exc)
 
