@@ -111,3 +111,26 @@ async def test_a_script_call_is_bounded_by_its_timeout(redis_url):
     finally:
         await redis.aclose()
         await other.aclose()
+
+
+async def test_a_direct_script_keeps_its_connections_and_gives_back_a_failed_one(redis_url):
+    # The script holds the connections of its calls (past the pool's release and its
+    # observability hooks): one a call at a time, two for two concurrent calls; a call cut by a
+    # dropped connection leaves none behind that the server closed.
+    redis, admin = client(redis_url), Redis.from_url(redis_url)
+    script = Script(redis, "return ARGV[1]", direct=True)
+    slow = Script(redis, SLOW, direct=True)
+    try:
+        for i in range(5):
+            assert await script(args=[str(i)]) == str(i).encode()
+        assert len(script._held) == 1
+        assert len(redis.connection_pool._available_connections) == 0  # never went back
+        await slow(args=[1, "warm"])
+        assert await asyncio.gather(slow(args=[50, "a"]), slow(args=[50, "b"])) == [b"a", b"b"]
+        assert len(slow._held) == 2
+        assert await admin.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert await script(args=["after"]) == b"after"  # tried once more, on a live one
+        assert len(script._held) == 1 and script._held[0].is_connected
+    finally:
+        await redis.aclose()
+        await admin.aclose()

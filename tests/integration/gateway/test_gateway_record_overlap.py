@@ -95,10 +95,16 @@ class Renderer:
         return [10, 11, 12]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_the_engine_request_leaves_before_the_record_is_prepared(redis_url, stream):
+@pytest.mark.parametrize(
+    ("stream", "lean"),
+    [(False, False), (False, True), (True, False)],
+    ids=["aiohttp", "lean", "stream"],
+)
+async def test_the_engine_request_leaves_before_the_record_is_prepared(redis_url, stream, lean):
     engine_server = ThreadEngine()
-    engine = SGLangClient(f"http://127.0.0.1:{engine_server.port}")
+    # lean: the gateway's own client (lifespan.create_engine). Streams are aiohttp's either way
+    # (warmed by the side turn below only without it).
+    engine = SGLangClient(f"http://127.0.0.1:{engine_server.port}", lean_generate=lean)
     redis = Redis.from_url(redis_url)
     prefix = f"test:overlap:{random.getrandbits(32):x}"
     store = SessionStore(redis, prefix=prefix, stream=f"{prefix}:turns", maxlen=100, ttl_s=60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio.connection import Connection
 
+from clawrl.common import redis_client
 from clawrl.common.redis_client import pack_command
 
 
@@ -22,7 +23,10 @@ def redis_py_bytes(*args) -> bytes:
         ("HSET", "h", "", b""),
     ],
 )
-def test_same_bytes_as_redis_py(args):
+def test_same_bytes_as_redis_py(args, monkeypatch):
+    assert redis_client.hiredis_pack is not None  # a declared dependency: the fast path
+    assert pack_command(*args) == redis_py_bytes(*args)
+    monkeypatch.setattr(redis_client, "hiredis_pack", None)  # without hiredis
     assert pack_command(*args) == redis_py_bytes(*args)
 
 

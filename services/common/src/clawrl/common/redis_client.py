@@ -16,6 +16,11 @@ from redis.exceptions import NoScriptError
 
 from clawrl.common.settings import RedisSettings
 
+try:
+    from hiredis import pack_command as hiredis_pack
+except ImportError:  # redis-py's own parser then, and pack_command in Python
+    hiredis_pack = None
+
 
 def connect(settings: RedisSettings, **options: Any) -> Redis:
     """A client for `settings.url`: `options` are redis-py's (socket_timeout, retry, ...)."""
@@ -30,7 +35,17 @@ def is_cluster(redis: Any) -> bool:
 
 def pack_command(*args: Any) -> bytes:
     """A command in Redis's protocol (RESP), its arguments encoded as redis-py encodes them
-    (bytes as they are, str as UTF-8, int and float by repr), in one bytes object."""
+    (bytes as they are, str as UTF-8, int and float by repr), in one bytes object. By hiredis's
+    C packer when it is installed (~4 us for a session script's 27 arguments, ~16 in Python)."""
+    if hiredis_pack is not None:
+        try:
+            return hiredis_pack(args)
+        except TypeError:
+            pass  # the same refusal as below, with its message
+    return _pack_in_python(args)
+
+
+def _pack_in_python(args: tuple[Any, ...]) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, str):
@@ -43,7 +58,7 @@ def pack_command(*args: Any) -> bytes:
     return b"".join(out)
 
 
-async def direct_command(redis: Redis, *args: Any) -> Any:
+async def direct_command(redis: Redis, *args: Any, held: list | None = None) -> Any:
     """One command on a connection of `redis`'s pool, sent once, past redis-py's per-command
     layers: its observability hooks and response callbacks (the reply is the raw one; EVAL and
     EVALSHA have none), the task `asyncio.wait_for` starts for every send of a client with a
@@ -51,15 +66,24 @@ async def direct_command(redis: Redis, *args: Any) -> Any:
     loop a call), and `get_connection`'s poll of the socket for data left over (a timer and a
     cancelled read: two passes more). None is left over: redis-py closes a connection whose send
     or read was interrupted, as it would be here. A connection the server closed fails the read
-    with a ConnectionError; nothing is retried here (see Script)."""
+    with a ConnectionError; nothing is retried here (see Script).
+    `held`: connections the caller keeps between calls (taken from the pool, still counted in
+    use there, closed with it), which skips the pool's release and its observability hooks
+    (~7 us a call); a call that fails gives its connection back to the pool instead."""
     command = pack_command(*args)
     pool = redis.connection_pool
-    conn = pool.get_available_connection()
+    conn = held.pop() if held else pool.get_available_connection()
     try:
         await conn.send_packed_command(command)
-        return await conn.read_response()
-    finally:
+        reply = await conn.read_response()
+    except BaseException:
         await pool.release(conn)
+        raise
+    if held is None:
+        await pool.release(conn)
+    else:
+        held.append(conn)
+    return reply
 
 
 class Script:
@@ -83,6 +107,7 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         # A cluster client routes by key slot, and a single-connection client has no pool.
         self.direct = direct and isinstance(redis, Redis) and redis.connection is None
+        self._held: list = []  # connections kept for the direct calls (direct_command)
 
     async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
         async with asyncio.timeout(self.timeout_s):
@@ -94,9 +119,9 @@ class Script:
                 return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
             command = ("EVALSHA", self.sha, len(keys), *keys, *args)
             try:
-                return await direct_command(self.redis, *command)
+                return await direct_command(self.redis, *command, held=self._held)
             except RedisConnectionError:
-                return await direct_command(self.redis, *command)
+                return await direct_command(self.redis, *command, held=self._held)
         except NoScriptError:
             return await self.redis.eval(self.source, len(keys), *keys, *args)
 
