@@ -13,9 +13,9 @@ from clawrl.gateway.recording import (
     finalize_extra,
     next_state_messages,
     pending_turn,
-    policy_version_of,
     request_fields,
 )
+from clawrl.gateway.versions import policy_version_of
 
 
 def test_next_state_is_everything_after_the_last_reply():

@@ -3,7 +3,7 @@ its generation, never because the gateway's own version lagged the engine's; wei
 known version (a restarted engine's base model) are marked, never labelled with a version."""
 
 from clawrl.gateway.control import Admission
-from clawrl.gateway.recording import RecordedVersions, recorded_versions
+from clawrl.gateway.versions import RecordedVersions, recorded_versions
 
 
 def test_a_gateway_lagging_the_engine_records_the_engines_version_unmixed():

@@ -12,8 +12,8 @@ import orjson
 
 from clawrl.gateway.errors import to_http
 from clawrl.gateway.generation import Completion, openai_logprobs
-from clawrl.gateway.recording import turn_versions
 from clawrl.gateway.tool_calls import Delta
+from clawrl.gateway.versions import turn_versions
 
 if TYPE_CHECKING:  # the serving core imports this module (its default stream encoder)
     from clawrl.gateway.serving import ChatService, StreamState

@@ -24,7 +24,6 @@ from redis.exceptions import RedisError
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from clawrl.common.records import Turn
-from clawrl.gateway.control import Admission
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.sessions import (
     Recorded,
@@ -53,70 +52,6 @@ def next_state_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, An
         if messages[i].get("role") == "assistant":
             return list(messages[i + 1 :]) or [messages[-1]]
     return [messages[-1]]
-
-
-def policy_version_of(weight_version: str, gate_version: int) -> int:
-    """The integer policy version of a turn: the engine's weight_version for its tokens when it
-    is a number, else the version the pause gate announced (engines started with a name)."""
-    try:
-        return int(weight_version)
-    except ValueError:
-        return gate_version
-
-
-def turn_versions(weight_version: str, admitted: Admission) -> tuple[int, str]:
-    """(policy_version, weight_version) of a turn. Under a LoRA adapter: the admitted version
-    and the adapter's name (the engine's weight_version names its base weights, and an
-    adapter is never changed under a running request); else as policy_version_of."""
-    if admitted.adapter:
-        return admitted.policy_version, admitted.adapter
-    return policy_version_of(weight_version, admitted.policy_version), weight_version
-
-
-@dataclass(frozen=True)
-class RecordedVersions:
-    """The versions a main turn is recorded with."""
-
-    policy_version: int  # of the weights that sampled its last tokens
-    started_version: int  # of the weights its generation started under
-    weight_version: str
-    unknown_weights: bool  # the engine's weights are of no known version: never trained
-
-
-def recorded_versions(
-    first_weight_version: str,
-    weight_version: str,
-    admitted: Admission,
-    *,
-    paused_since: bool,
-    base_version: int,
-) -> RecordedVersions:
-    """How a turn is recorded. `first_weight_version`: the engine's version on the first stream
-    event ("" when not streamed); `paused_since`: a pause began while it was generated;
-    `base_version`: the version the gateway calls weights the engine names (its start version).
-
-    Only a sync retracts a generation, and a sync pauses every gateway first: without a pause
-    meanwhile, the whole generation came from the weights reported at its end, whatever the
-    gateway's own version. A named weight_version (SGLang's "default") under a gateway that has
-    moved past its start version is an engine that lost the synced weights: unknown."""
-    if admitted.adapter:
-        return RecordedVersions(
-            admitted.policy_version, admitted.policy_version, admitted.adapter, False
-        )
-    try:
-        version = int(weight_version)
-    except ValueError:
-        unknown = admitted.policy_version != base_version
-        return RecordedVersions(
-            admitted.policy_version, admitted.policy_version, weight_version, unknown
-        )
-    started = version
-    if paused_since:
-        try:
-            started = int(first_weight_version)
-        except ValueError:  # not streamed: the version it was admitted under
-            started = admitted.policy_version
-    return RecordedVersions(version, started, weight_version, False)
 
 
 @dataclass
@@ -462,18 +397,20 @@ class Recorder:
             # so it is neither trained a second time beside the retry's turn (the judge masks
             # it) nor given the retry's own prompt as its next state.
             self._finalized("retry_orphan", result.orphaned_turn_id)
-            log.info("turn %s finalised as a retry's orphan: the next request repeated its "
-                     "history", result.orphaned_turn_id,
-                     extra={"session_id": result.session_id})  # fmt: skip
+            self._note(
+                "turn %s finalised as a retry's orphan: the next request repeated its history",
+                result.orphaned_turn_id,
+                session_id=result.session_id,
+            )
         if result.finalized_turn_id:
             self._finalized("next_state", result.finalized_turn_id)
             if result.history_mismatch:
                 self.metrics.history_mismatches.inc()
-                log.info(
+                self._note(
                     "turn %s finalised with history_mismatch: the next request's history does "
                     "not extend it",
                     result.finalized_turn_id,
-                    extra={"session_id": result.session_id},
+                    session_id=result.session_id,
                 )
         if result.superseded_turn_id:
             self._finalized("superseded", result.superseded_turn_id)
@@ -481,12 +418,22 @@ class Recorder:
 
     def _ambiguous(self, event: str, session_id: str) -> None:
         self.metrics.ambiguous_histories.labels(event).inc()
-        log.info(
+        self._note(
             "a history claimed by two live sessions of one caller: %s",
             "this anonymous request started a new session instead of guessing"
             if event == "new_session"
             else "anonymous follow-ups of it will start new sessions",
-            extra={"session_id": session_id},
+            session_id=session_id,
+        )
+
+    @staticmethod
+    def _note(message: str, *args: Any, session_id: str) -> None:
+        """An INFO line of a recorded turn, written on the loop's next pass: after the response
+        it belongs to has gone out (the request's log context goes with it). A line costs
+        more than the rest of the record's bookkeeping, and the response waits for none."""
+        extra = {"session_id": session_id}
+        asyncio.get_running_loop().call_soon(
+            functools.partial(log.info, message, *args, extra=extra)
         )
 
     async def close(self, request_id: str, session_id: str, scope: str) -> str | None:

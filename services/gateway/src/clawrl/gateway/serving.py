@@ -42,14 +42,9 @@ from clawrl.gateway.generation import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import ChatRequest
-from clawrl.gateway.recording import (
-    Recorder,
-    ServedTurn,
-    TurnContext,
-    recorded_versions,
-    turn_versions,
-)
+from clawrl.gateway.recording import Recorder, ServedTurn, TurnContext
 from clawrl.gateway.tool_calls import Delta, StreamingToolCallParser, ToolCall, parse_tool_calls
+from clawrl.gateway.versions import recorded_versions, turn_versions
 
 log = logging.getLogger(__name__)
 
