@@ -81,6 +81,12 @@ def test_a_mixed_batch_gives_peft_numbers_and_exact_base_rows(adapters):
     assert (stacked[1] - base[1]).abs().max() > 0.1 and (stacked[2] - stacked[1]).abs().max() > 0.1
     assert torch.equal(hidden(runner, [None] * 4, peft=False), base)
 
+    # a pass under some of the loaded adapters reads only their ranks (a's are first, b's
+    # last in the stacks; their scalings differ): still each row's own adapter, exactly
+    for rows in (["b", None, "b", "b"], ["a", "a", None, "a"], ["b"] * 4):
+        assert torch.allclose(hidden(runner, rows, peft=False), hidden(runner, rows, peft=True),
+                              atol=1e-5)  # fmt: skip
+
     # replaced in place (same shape as a): the stacks follow the new tensors
     runner.replace_adapter("a", "c", prepared(runner, adapters["c"]))
     rows = [None, "c", "b", "c"]
