@@ -12,9 +12,14 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from clawrl.common.settings import RedisSettings
+
+# What an unavailable or failing-over Redis raises. RedisClusterException is no RedisError: a
+# cluster client rebuilding its slot map after a failover raises it ("All slots are not
+# covered", no reachable node), and a loop that missed it died there.
+REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 try:
     from hiredis import pack_command as hiredis_pack

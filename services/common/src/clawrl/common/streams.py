@@ -14,21 +14,20 @@ the dead-letter stream with its reason.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from clawrl.common.records import Sample, Turn, encode_entry
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.shards import Shards
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 STRAY_IDLE_MS = 1_000  # GroupConsumer.take_strays
 STRAY_PAGE = 500
 

@@ -19,18 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from clawrl.common.episodes import EXPIRED, EpisodeSettings, Outcome, outcome_key
 from clawrl.common.records import Sample
-from clawrl.common.redis_client import Script, run_script
+from clawrl.common.redis_client import REDIS_ERRORS, Script, run_script
 from clawrl.common.redis_text import text
 from clawrl.judge.metrics import JudgeMetrics
 from clawrl.judge.turns import MalformedTurn
 
 log = logging.getLogger(__name__)
-
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 def episode_score(outcome: float, step_score: float | None, coef: float) -> float:

@@ -69,9 +69,14 @@ async def serve(settings: JudgeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with running(settings) as service:
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.stop.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         log.info("stopping: draining in-flight turns")
         service.stop.set()
+    if service.failed is not None:
+        raise SystemExit(1)
 
 
 async def run_export(settings: JudgeSettings, out: IO[bytes], since: str) -> int:

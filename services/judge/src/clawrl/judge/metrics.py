@@ -59,7 +59,8 @@ class JudgeMetrics:
         )
         self.errors = Counter(
             "clawrl_judge_errors_total",
-            "Unexpected failures judging a turn (left pending for redelivery), by stage.",
+            "Unexpected failures, by stage: judging a turn (left pending for redelivery), Redis, "
+            "feedback, outcome, gRPC, and a worker loop that died (worker: the judge exits 1).",
             ["stage"],
             registry=r,
         )

@@ -51,6 +51,21 @@ class JudgeService:
     grpc_port: int = 0
     metrics_port: int = 0
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # Why a worker or the housekeeping ended before `stop` (then set): the process exits 1.
+    failed: BaseException | None = None
+
+    def supervise(self, task: asyncio.Task) -> None:
+        """A done-callback for the long-running tasks: one that ends before `stop` (an error
+        its loop does not handle) stops the whole judge, counted and logged, rather than leave
+        its shard unread while the rest looks healthy."""
+        if task.cancelled() or self.stop.is_set():
+            return
+        error = task.exception() or RuntimeError(f"{task.get_name()} returned")
+        log.error("%s stopped: %r; the judge stops so that it is restarted", task.get_name(),
+                  error, exc_info=error)  # fmt: skip
+        self.metrics.errors.labels("worker").inc()
+        self.failed = error
+        self.stop.set()
 
     async def ready(self) -> dict[str, bool]:
         checks = {}
@@ -300,6 +315,8 @@ async def running(settings: JudgeSettings, *, serve: bool = True) -> AsyncIterat
         redis, shard_consumers, retention_streams, metrics, settings.retention, service.stop,
         audit_stream=[store.config.audit_stream for store in stores],
     )))  # fmt: skip
+    for task in tasks:
+        task.add_done_callback(service.supervise)
     grpc_server = http_runner = None
     try:
         if serve:

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from clawrl.common.logs import log_context
 from clawrl.common.records import RecordError, Turn, decode_entry, session_state_of
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.sglang_client import EngineUnavailable
 from clawrl.common.streams import Entry, GroupConsumer, trim_acknowledged
 from clawrl.judge.core import Judge, Judgement
@@ -38,7 +38,6 @@ from clawrl.judge.turns import MalformedTurn, TurnView, check_turn
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 COMMIT_BATCH = 256
 
 
