@@ -10,8 +10,9 @@ import asyncio
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import SlotNotCoveredError
+from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
+from clawrl.common.streams import GroupConsumer
 from clawrl.judge.service import running
 
 from .helpers import judge_settings, make_turn, put_turns, said, wait_samples
@@ -57,3 +58,25 @@ async def test_a_worker_dying_of_an_unexpected_error_stops_the_judge(
         await asyncio.wait_for(service.stop.wait(), 10)
         assert isinstance(service.failed, ValueError)
         assert service.metrics.errors.labels("worker")._value.get() == 1
+
+
+async def test_a_group_that_cannot_be_created_at_start_is_retried(
+    redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load the cluster client's first connection timed out in XGROUP CREATE, at the
+    worker's start: that killed the worker (now: the judge). It is an outage like any other."""
+    settings = judge_settings(redis_url, judging=BY_RESPONSE, workers={"retry_initial_s": 0.1})
+    await put_turns(redis, settings, [make_turn("k", 0, response="+1", next_state=said("ok"))])
+    create, failures = GroupConsumer.ensure_group, []
+
+    async def unreachable_once(consumer):
+        if not failures:
+            failures.append(consumer.consumer)
+            raise RedisClusterException("Redis Cluster cannot be connected: Timeout connecting")
+        return await create(consumer)
+
+    monkeypatch.setattr(GroupConsumer, "ensure_group", unreachable_once)
+    async with running(settings, serve=False) as service:
+        (sample,) = await wait_samples(redis, settings, 1, timeout_s=15)
+        assert len(failures) == 1 and service.failed is None
+    assert sample.sample_id == "k:0"

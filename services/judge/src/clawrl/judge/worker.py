@@ -97,7 +97,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Judge turns until `stop` is set, then let in-flight turns finish (drain timeout)."""
-        await self.consumer.ensure_group()
+        grouped = False  # the group is created in the loop: Redis may be down at start
         committer = asyncio.create_task(self._commit_forever(), name="judge-committer")
         keeper = asyncio.create_task(self._keep_claimed(), name="judge-keep-claimed")
         helpers = [committer, keeper]
@@ -113,6 +113,9 @@ class Worker:
                     await _wait_either(self._room, stop)
                     continue
                 try:
+                    if not grouped:
+                        await self.consumer.ensure_group()
+                        grouped = True
                     await self._read_once(min(room, self.settings.read_batch))
                     backoff = self.settings.retry_initial_s
                 except REDIS_ERRORS as exc:
