@@ -29,7 +29,6 @@ from typing import Any
 import orjson
 from pydantic import Field, StrictInt, StrictStr, ValidationError, field_validator
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from clawrl.common import records
 from clawrl.common.feedback import (
@@ -40,7 +39,7 @@ from clawrl.common.feedback import (
     feedback_key,
     judged_marker,
 )
-from clawrl.common.redis_client import Script
+from clawrl.common.redis_client import REDIS_ERRORS, Script
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import (
@@ -56,7 +55,6 @@ from clawrl.gateway.sessions import SessionStore, caller_scope
 log = logging.getLogger(__name__)
 
 FEEDBACK_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 
 # KEYS: the turn's feedback hash, the judge's done marker of the turn, the audit stream.
 # ARGV: feedback id, feedback JSON, ttl, audit maxlen, audit record head (JSON without its

@@ -33,9 +33,9 @@ from pydantic import Field, StrictStr, ValidationError, field_validator
 from redis.asyncio import Redis
 
 from clawrl.common.episodes import EpisodeSettings, Outcome, outcome_key
-from clawrl.common.redis_client import Script
+from clawrl.common.redis_client import REDIS_ERRORS, Script
 from clawrl.gateway.errors import GatewayError, InvalidRequest, NotFound
-from clawrl.gateway.feedback import AUDIT_MAXLEN, REDIS_ERRORS, request_scope
+from clawrl.gateway.feedback import AUDIT_MAXLEN, request_scope
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.protocol import Number, _fail, _Model, invalid_request, parse_body
 from clawrl.gateway.recording import Recorder

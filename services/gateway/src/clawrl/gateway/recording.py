@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 import orjson
 from google.protobuf.timestamp_pb2 import Timestamp
-from redis.exceptions import RedisError
 
 from clawrl.common.proto.records_pb2 import FinalizeReason
 from clawrl.common.records import Turn
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.sessions import (
     Recorded,
@@ -38,8 +38,9 @@ from clawrl.gateway.spool import RecordingSpool, SpooledCall
 
 log = logging.getLogger(__name__)
 
-# Failures worth degrading on, not crashing: Redis down or slow, a script error.
-RECORDING_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# Failures worth degrading on, not crashing: Redis down or slow (a Redis Cluster client
+# rebuilding its slot map included), a script error.
+RECORDING_ERRORS = REDIS_ERRORS
 MISMATCH = Turn(history_mismatch=True).SerializeToString()
 T = TypeVar("T")
 
