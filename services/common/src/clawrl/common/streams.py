@@ -7,13 +7,14 @@ leaves its entries pending, and a live one takes them over (XCLAIM) once they ar
 what it still holds itself (read and neither acknowledged nor released), however long it holds
 it. Entries pending on a consumer that it neither holds nor released after a failure (a read
 whose reply a dropped connection lost, entries it forgot unstarted, an acknowledgement a
-failover lost) are its strays, taken back within seconds rather than after `claim_idle_ms`. An entry
-delivered more than `max_deliveries` times without being acknowledged (a poison entry) goes to
-the dead-letter stream with its reason.
+failover lost) are its strays, taken back within seconds rather than after `claim_idle_ms`.
+An entry delivered more than `max_deliveries` times without being acknowledged (a poison
+entry) goes to the dead-letter stream with its reason.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -184,12 +185,11 @@ class GroupConsumer:
                 break
             start = "(" + _text(rows[-1]["message_id"])
         self.released &= own.keys()  # the rest were acknowledged or taken over since
-        strays = {
-            eid: deliveries
-            for eid, (idle_ms, deliveries) in own.items()
-            if idle_ms >= STRAY_IDLE_MS and eid not in self.holding and eid not in self.released
-        }
-        strays = dict(list(strays.items())[: max(count, 0)])
+        strays = dict(itertools.islice(
+            ((eid, deliveries) for eid, (idle_ms, deliveries) in own.items()
+             if idle_ms >= STRAY_IDLE_MS and eid not in self.holding and eid not in self.released),
+            max(count, 0),
+        ))  # fmt: skip
         if strays:
             log.warning("taking back %d entries of %s delivered to %s and never received",
                         len(strays), self.stream, self.consumer)  # fmt: skip
