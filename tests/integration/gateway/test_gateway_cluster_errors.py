@@ -48,3 +48,37 @@ async def test_a_cluster_without_a_reachable_node_spools_the_record(redis_url, t
         assert await redis.xlen(f"{prefix}:turns") == 1
     finally:
         await redis.aclose()
+
+
+async def test_a_replica_starting_during_a_slot_map_rebuild_starts(redis_url: str, caplog) -> None:
+    """Its served version and its tenants' adapters cannot be read: it starts on the engine's
+    version and the shared policy (the next sync routes it), instead of failing to start."""
+    from clawrl.gateway.control import PauseGate
+    from clawrl.gateway.lifespan import create_engine, initial_admission, restore_tenant_adapters
+    from clawrl.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings.model_validate(
+        {
+            "tenants": {"mode": "per_tenant"},
+            "control": {"served_key": f"test:cluster-errors:{random.getrandbits(32):x}"},
+            "serving": {"engine_url": "http://127.0.0.1:9", "engine_connect_timeout_s": 0.5},
+        }
+    )
+    gate = PauseGate(GatewayMetrics(), hold_timeout_s=1.0, retry_after_s=1)
+    engine = create_engine(settings)
+    redis = Redis.from_url(redis_url)
+
+    async def no_reachable_node(*args, **kwargs):
+        raise RedisClusterException("Redis Cluster cannot be connected: Timeout connecting")
+
+    redis.hgetall = no_reachable_node
+    try:
+        admitted = await initial_admission(settings, engine, redis)
+        await restore_tenant_adapters(settings, redis, gate)
+    finally:
+        await engine.aclose()
+        await redis.aclose()
+    assert (admitted.policy_version, admitted.adapter) == (0, "")
+    assert gate.tenant_adapters == {}
+    assert "cannot read the served version" in caplog.text
+    assert "cannot read the tenants' served adapters" in caplog.text

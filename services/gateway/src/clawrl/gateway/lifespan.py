@@ -15,7 +15,6 @@ import grpc
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry  # the asyncio one: redis-py awaits its calls
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError
 
 from clawrl.common import redis_client
 from clawrl.common.chat import ChatRenderer
@@ -250,7 +249,7 @@ async def initial_admission(
         return Admission(settings.control.initial_policy_version)
     try:
         served = await asyncio.wait_for(read_served(redis, settings.control.served_key), 5)
-    except (RedisError, TimeoutError, ValueError) as exc:
+    except (*redis_client.REDIS_ERRORS, ValueError) as exc:
         log.warning("cannot read the served version at %s: %s", settings.control.served_key, exc)
         served = None
     if served is not None and served.adapter:
@@ -268,7 +267,7 @@ async def restore_tenant_adapters(settings: GatewaySettings, redis: Redis, gate:
     key = settings.control.served_key
     try:
         served = await asyncio.wait_for(read_served_tenants(redis, key), 5)
-    except (RedisError, TimeoutError) as exc:
+    except redis_client.REDIS_ERRORS as exc:
         log.warning("cannot read the tenants' served adapters beside %s: %s", key, exc)
         return
     for tenant, mine in served.items():

@@ -38,9 +38,10 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
-from redis.exceptions import LockError, RedisError
+from redis.exceptions import LockError
 
 from clawrl.common.logs import log_context
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.versions import VersionReady
 from clawrl.trainer.weight_sync.adapter_sync import AdapterSync, adapter_tenant
 from clawrl.trainer.weight_sync.replicas import (
@@ -293,7 +294,7 @@ async def keep_lock(lock: Lock, ttl_s: float) -> None:
             renewed = time.monotonic()
         except LockError as exc:
             raise LockLost(f"the sync lock was lost: {exc}") from exc
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             if time.monotonic() - renewed >= ttl_s:
                 raise LockLost(f"the sync lock was not renewed for {ttl_s:.0f}s: {exc}") from exc
             log.warning("cannot renew the sync lock (retrying): %s", exc)

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.served import Served, read_served, read_served_tenants
 from clawrl.trainer.weight_sync.metrics import WeightSyncMetrics
 from clawrl.trainer.weight_sync.replicas import (
@@ -117,7 +117,8 @@ async def reconcile_forever(
     while True:
         try:
             await reconcile_adapters(settings, redis, metrics, released)
-        except RedisError as exc:  # Redis down a moment: try again on the next pass
+        # Redis down a moment (a cluster rebuilding its slot map included): the next pass.
+        except REDIS_ERRORS as exc:
             metrics.adapter_reloads.labels(outcome="failed").inc()
             log.error("adapter reconciliation failed: %s", exc)
         await asyncio.sleep(settings.launcher.reconcile_interval_s)

@@ -13,9 +13,9 @@ from typing import TypeVar
 
 import grpc
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from clawrl.common.proto import control_pb2, control_pb2_grpc
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.served import write_served, write_served_tenant
 from clawrl.common.sglang_client import EngineError, SGLangClient
 from clawrl.trainer.weight_sync.settings import EngineTargets, GatewayTargets
@@ -244,5 +244,5 @@ async def record_served(
             await write_served_tenant(redis, key, tenant, version, adapter, path)
         else:
             await write_served(redis, key, version, adapter, path)
-    except RedisError as exc:  # serving goes on; only a restart would miss it
+    except REDIS_ERRORS as exc:  # serving goes on; only a restart would miss it
         log.error("cannot record the served version at %s: %s", key, exc)
