@@ -322,6 +322,9 @@ def measure_lora(kind: str, args: argparse.Namespace, adapters: list[Path],
     row: dict = {}
     with Engine(kind, args.model, args.threads, "--lora-paths", *paths) as engine:
         decode_rate(engine, prompts, 2, 8, names)  # warm-up
+        # and one stream alone under the first adapter, as a client of one adapter does: the
+        # engine merges its weights once (engine.lora_merge_after), not in the measured run
+        decode_rate(engine, prompts, 1, 16, names)
         for streams in args.streams:
             wall, per_cpu = decode_rate(engine, prompts, streams, args.new_tokens, names)
             row[f"decode_{streams}"] = (wall, per_cpu)

@@ -54,8 +54,9 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def url(engine_factory, model_dir) -> str:
     return engine_factory(
-        str(model_dir), "--context-length", str(CONTEXT), "--chunked-prefill-size", str(CHUNK)
-    )
+        str(model_dir), "--context-length", str(CONTEXT), "--chunked-prefill-size", str(CHUNK),
+        "--solo-prefill-size", "0",  # chunks even with nothing decoding
+    )  # fmt: skip
 
 
 def trainer(model_dir: Path, context: int | None) -> TorchBackend:

@@ -40,7 +40,7 @@ def url(engine_factory) -> str:
     return engine_factory(
         "smollm2-tiny",
         "--prefix-cache-tokens", str(BUDGET), "--chunked-prefill-size", str(CHUNK),
-        "--context-length", str(CONTEXT),
+        "--solo-prefill-size", "0", "--context-length", str(CONTEXT),  # chunks even when alone
     )  # fmt: skip
 
 

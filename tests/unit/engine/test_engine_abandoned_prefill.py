@@ -28,6 +28,7 @@ def runner() -> ModelRunner:
 
 
 def scheduler(runner: ModelRunner, **settings) -> Scheduler:
+    settings = {"solo_prefill_size": 0, **settings}  # chunks even when nothing decodes
     serving = EngineServerSettings(chunked_prefill_size=CHUNK, **settings)
     return Scheduler(runner, serving, EngineMetrics("tiny"), lambda ids, skip: "", "v0")
 

@@ -99,3 +99,64 @@ def test_a_mixed_batch_gives_peft_numbers_and_exact_base_rows(adapters):
     runner.remove_adapter("c")
     assert torch.equal(runner._forward([None] * 4, input_ids=torch.tensor(PROMPTS))
                        .last_hidden_state, base)  # fmt: skip
+
+
+def merged_passes(runner: ModelRunner) -> int:
+    return runner._stacked.merged_passes
+
+
+@torch.inference_mode()
+def test_a_batch_under_one_adapter_runs_on_merged_weights_that_never_go_stale(adapters):
+    """After lora_merge_after passes in a row under one adapter alone, such passes run on its
+    merged weights with peft's numbers; base rows and other adapters never do; replacing the
+    merged adapter under its name or a weight update is seen by the very next pass."""
+    runner = ModelRunner(resolve_model_dir(ModelSettings(path="smollm2-tiny")), lora_merge_after=2)
+    base = runner._forward([None] * 4, input_ids=torch.tensor(PROMPTS)).last_hidden_state
+    load(runner, "a", adapters["a"])
+    load(runner, "b", adapters["b"])
+    only_a = ["a"] * 4
+    stacked = hidden(runner, only_a, peft=False)  # the first pass in a row: stacked
+    assert runner._stacked.merged is None and merged_passes(runner) == 0
+    merged = hidden(runner, only_a, peft=False)  # the second: a merged, and run on
+    assert runner._stacked.merged == "a" and merged_passes(runner) == 1
+    expected = hidden(runner, only_a, peft=True)
+    assert torch.allclose(merged, expected, atol=1e-5)
+    assert torch.allclose(merged, stacked, atol=1e-5)
+
+    # a mixed batch, a base batch and b alone while a is merged: never its merged weights
+    for rows in ([None, "a", "b", "a"], [None] * 4, ["b"] * 4, ["a", "a", "a", None]):
+        got = hidden(runner, rows, peft=False)
+        assert torch.allclose(got, hidden(runner, rows, peft=True), atol=1e-5), rows
+    assert torch.equal(hidden(runner, [None] * 4, peft=False), base)
+    assert merged_passes(runner) == 1 and runner._stacked.merged == "a"
+    assert torch.allclose(hidden(runner, only_a, peft=False), expected, atol=1e-5)
+    assert merged_passes(runner) == 2  # a alone again: on its merged weights at once
+
+    # a replaced by c in a's modules (the same peft name): the next pass has c's numbers
+    runner.replace_adapter("a", "c", prepared(runner, adapters["c"]))
+    only_c = ["c"] * 4
+    expected = hidden(runner, only_c, peft=True)
+    assert (expected - merged).abs().max() > 0.1
+    for _ in range(3):  # stacked, then merged anew from c's tensors
+        assert torch.allclose(hidden(runner, only_c, peft=False), expected, atol=1e-5)
+    assert runner._stacked.merges == 2 and merged_passes(runner) == 4
+
+    # a weight update while c is merged: the next pass runs on the new base
+    generator = torch.Generator().manual_seed(3)
+    changed = {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in runner._state.items()
+        if name.endswith(("q_proj.weight", "down_proj.weight"))
+    }
+    runner.load_weights(changed)
+    expected_new = hidden(runner, only_c, peft=True)
+    assert (expected_new - expected).abs().max() > 0.1
+    for _ in range(3):
+        assert torch.allclose(hidden(runner, only_c, peft=False), expected_new, atol=1e-5)
+    assert runner._stacked.merges == 3
+
+    # the last adapters leave: the merged copy goes with them, the model is bare again
+    runner.remove_adapter("b")
+    assert runner._stacked.merged is None
+    runner.remove_adapter("c")
+    assert runner._stacked._modules == []

@@ -52,6 +52,8 @@ FLAGS = (
          **scheduler("max_prefill_tokens"), type=int),
     Flag("--chunked-prefill-size", "most prompt tokens per prefill forward pass",
          **scheduler("chunked_prefill_size"), type=int),
+    Flag("--solo-prefill-size", "most prompt tokens per prefill pass while nothing decodes",
+         cpu=("engine", "solo_prefill_size"), sglang=None, type=int),
     Flag("--random-seed", "sampler seed", **scheduler("random_seed"), type=int),
     Flag("--incremental-streaming-output", "stream events carry only what is new",
          **scheduler("incremental_streaming_output"), switch=True),
@@ -80,6 +82,8 @@ FLAGS = (
          **everywhere("engine", "max_loaded_loras"), type=int),
     Flag("--lora-eviction-policy", "lru or fifo: which resident adapter makes room",
          **everywhere("engine", "lora_eviction_policy")),
+    Flag("--lora-merge-after", "passes under one adapter alone before it is merged (0: never)",
+         cpu=("engine", "lora_merge_after"), sglang=None, type=int),
     Flag("--lora-drain-wait-threshold", "seconds an adapter waits before a slot is drained",
          **everywhere("engine", "lora_drain_wait_threshold"), type=float),
 )  # fmt: skip

@@ -60,6 +60,14 @@ class EngineServerSettings(Section):
         "~0.1 s; on 2 CPU cores SmolLM2-135M prefills a few hundred tokens/s, so 256 keeps "
         "the pause between two tokens of a running stream near a second.",
     )
+    solo_prefill_size: int = Field(
+        4096,
+        ge=0,
+        description="CPU engine: most prompt tokens prefilled in one forward pass while no "
+        "other sequence is decoding (nothing to keep responsive); chunked_prefill_size applies "
+        "as soon as one is. Fewer, larger passes read the weights fewer times (bfloat16 gains "
+        "most). 0, or anything not above chunked_prefill_size: always chunked_prefill_size.",
+    )
     max_total_tokens: int = Field(
         65536,
         gt=0,
@@ -149,6 +157,17 @@ class EngineServerSettings(Section):
         description="Seconds a request may wait for an adapter slot before one adapter of the "
         "full running batch is drained (admits no new requests until its running ones end) to "
         "make room; 0: never drain (SGLang's --lora-drain-wait-threshold, whose default is 0).",
+    )
+    lora_merge_after: int = Field(
+        8,
+        ge=0,
+        description="CPU engine: after this many forward passes in a row whose every row uses "
+        "the same adapter, that adapter's weights are merged (W + s B A, summed in float32, "
+        "stored in the model's dtype) and such passes run on them at the bare model's cost; "
+        "mixed batches keep the stacked adapters. One adapter is merged at a time; its copy of "
+        "the adapted projections costs their size (SmolLM2-135M, all seven projections: "
+        "212 MB in bfloat16, 425 MB in float32). Dropped on a weight update and whenever an "
+        "adapter is loaded, replaced or unloaded. 0: never merge.",
     )
     max_lora_rank: int | None = Field(
         None,

@@ -96,7 +96,11 @@ class CpuEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         serving = self.settings.engine
         self.runner = ModelRunner(
-            self.model_dir, serving.dtype, self.context_length, self.settings.model.rope_scaling
+            self.model_dir,
+            serving.dtype,
+            self.context_length,
+            self.settings.model.rope_scaling,
+            lora_merge_after=serving.lora_merge_after,
         )
         if self.runner.long_context:
             log.warning("LONG CONTEXT: %s", self.runner.long_context)

@@ -260,6 +260,7 @@ class ModelRunner:
         dtype: str = "float32",
         context_length: int | None = None,
         rope_scaling: str = "yarn",
+        lora_merge_after: int = 0,
     ):
         from transformers import AutoConfig
 
@@ -293,7 +294,9 @@ class ModelRunner:
         # with keys rooted at the causal LM.
         self.decoder_prefix = next(n for n, m in model.named_children() if m is self.decoder)
         self._peft = None  # PeftModel around the decoder once an adapter is loaded
-        self._stacked = StackedLora()  # runs the injected adapters, a mixed batch at once
+        # Runs the injected adapters, a mixed batch at once; a batch under one adapter alone
+        # on merged weights once that adapter had lora_merge_after passes in a row (0: never).
+        self._stacked = StackedLora(lora_merge_after)
         self.adapters: set[str] = set()  # keys of the loaded adapters
         # key -> peft's name for it (the key it was injected as; `replace_adapter` reuses it)
         self._names: dict[str, str] = {}
@@ -358,6 +361,8 @@ class ModelRunner:
         self._drop(name, not self.adapters)
         if self._peft is not None:
             self._stacked.attach(self._peft)
+        else:
+            self._stacked.detach()
 
     def _drop(self, key: str, last: bool) -> None:
         if self._peft is None:
@@ -469,6 +474,7 @@ class ModelRunner:
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors into the live parameters in place (tied weights follow)."""
+        self._stacked.invalidate()  # merged weights hold the old base
         for name, tensor in tensors.items():
             self._state[name].copy_(tensor.to(self.dtype))
 

@@ -3,9 +3,10 @@ prefill.
 
 Each turn of the loop: run queued control commands, drop aborted sequences, admit waiting
 requests (their longest cached prefix comes from the prefix cache), prefill at most
-`chunked_prefill_size` prompt tokens, then one decode step for every running sequence at once.
-A long prompt is thus prefilled a chunk per turn while the running batch keeps decoding, and
-a sequence joins the batch when its whole prompt is in its KV.
+`chunked_prefill_size` prompt tokens (`solo_prefill_size` while nothing decodes), then one
+decode step for every running sequence at once. A long prompt is thus prefilled a chunk per
+turn while the running batch keeps decoding, and a sequence joins the batch when its whole
+prompt is in its KV.
 
 Weight swaps follow SGLang: a swap waits until no request is running (new ones wait in the
 queue meanwhile), so every token of a sequence comes from one version; when generation is
@@ -371,8 +372,12 @@ class Scheduler:
         self._prefilling.append(seq)
 
     def _prefill_chunk(self) -> bool:
-        """Prefill up to chunked_prefill_size tokens of the prefilling sequences, in order."""
+        """Prefill up to chunked_prefill_size tokens of the prefilling sequences, in order;
+        up to solo_prefill_size while no sequence decodes (no stream to keep responsive: a
+        larger pass reads the weights fewer times)."""
         budget = self.settings.chunked_prefill_size
+        if not self._running:
+            budget = max(budget, self.settings.solo_prefill_size)
         worked = False
         for seq in list(self._prefilling):
             if budget <= 0:
