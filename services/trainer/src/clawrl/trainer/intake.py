@@ -13,7 +13,10 @@ Delivery is at-least-once, so every entry ends in exactly one of these ways:
 - a poison sample (the backend was lost on every step that held it, the last with it alone):
   dead-lettered with the reason, counted.
 Entries read but not yet part of a step (the trainer stopping mid-batch) stay pending and come
-back after a restart: first this consumer's own pending entries are read again.
+back after a restart: first this consumer's own pending entries are read again. Redis failing
+while a batch is filled (a failover, a cluster rebuilding its slot map) loses nothing either:
+what the call had read goes back in front of the backlog and the trainer reads again after a
+pause (`Trainer.run`), without a restart.
 
 A batch that kills the backend (a host OOM: `BackendLost`) also comes back after the restart. So
 that it cannot do so forever, every step counts in Redis, per entry, the steps started with it
@@ -32,6 +35,7 @@ would have put each alone in a step; then they are dead-lettered as they come ba
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from typing import TypeAlias
 from redis.asyncio import Redis
 
 from clawrl.common.records import RecordError, Sample, decode_entry
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.streams import Entry, GroupConsumer
 from clawrl.common.tenants import SHARED, TenantSettings
 from clawrl.trainer.metrics import TrainerMetrics
@@ -113,6 +118,8 @@ class Collected:
 # The policy version samples are measured against: one for all, or per sample (per-tenant mode:
 # the version of the adapter the sample trains).
 CurrentVersion: TypeAlias = int | Callable[[Sample], int]
+# Intake._admit with the batch's versions and trained ids bound: (entry, in_batch=, lost=).
+Admit: TypeAlias = Callable[..., Awaitable["Sample | str | None"]]
 
 
 class Intake:
@@ -142,6 +149,9 @@ class Intake:
         )
         # Own pending entries (read once at start), then entries read that did not fit a step.
         self._backlog: list[Entry] | None = None
+        # Of a call that Redis failed: entries to acknowledge with the next batch's step.
+        self._carried_acks: list[str] = []
+        self._unread: list[Entry] = []  # read by this call, not dealt with yet
         self.queues: TenantQueues[Held] | None = None
         if tenants is not None and tenants.per_tenant:
             self.queues = TenantQueues(tenants, batch_size)
@@ -164,11 +174,27 @@ class Intake:
             self._backlog = await self.consumer.read_own_pending(count=100_000)
             if self._backlog:
                 log.info("taking back %d pending entries of a previous run", len(self._backlog))
-        if self.queues is not None:
-            return await self._next_tenant_batch(
-                self.queues, policy_version, trained, uncommitted, stop, block_ms, between_reads
-            )
-        collected = Collected()
+        collected = Collected(ack_with_step=self._carried_acks)
+        self._carried_acks, self._unread = [], []
+        admit = functools.partial(
+            self._admit, policy_version=policy_version, trained=trained, uncommitted=uncommitted
+        )
+        try:
+            if self.queues is not None:
+                return await self._next_tenant_batch(
+                    self.queues, collected, admit, stop, block_ms, between_reads
+                )
+            return await self._fill(collected, admit, stop, block_ms)
+        except REDIS_ERRORS:
+            # Nothing is lost: the next call admits them again (into a fresh batch).
+            self._backlog = [held.entry for held in collected.held] + self._unread + self._backlog
+            self._carried_acks = collected.ack_with_step
+            raise
+
+    async def _fill(
+        self, collected: Collected, admit: Admit, stop: asyncio.Event, block_ms: int
+    ) -> Collected | None:
+        """next_batch's batch, one adapter for all."""
         in_batch: set[str] = set()
         limit = self.batch_size
         while len(collected.held) < limit:
@@ -179,16 +205,17 @@ class Intake:
                 entries, self._backlog = self._backlog[:need], self._backlog[need:]
             else:
                 entries = await self.consumer.read(need, block_ms=block_ms)
+            self._unread = entries
             losses = await self.unfinished.counts([entry.entry_id for entry in entries])
             for i, entry in enumerate(entries):
                 lost = losses.get(entry.entry_id, 0)
                 fits = step_limit(lost, self.batch_size, self.loss_retries)
                 if 0 < min(fits, limit) <= len(collected.held):
                     self._backlog = entries[i:] + self._backlog  # it opens the next step
+                    self._unread = []
                     return collected
-                sample = await self._admit(
-                    entry, policy_version, trained, uncommitted, in_batch, lost
-                )
+                sample = await admit(entry, in_batch=in_batch, lost=lost)
+                self._unread = entries[i + 1 :]
                 if not isinstance(sample, Sample):
                     if lost:  # dealt with here: nothing left to count
                         await self.unfinished.finish([entry.entry_id])
@@ -203,20 +230,20 @@ class Intake:
     async def _next_tenant_batch(
         self,
         queues: TenantQueues[Held],
-        policy_version: CurrentVersion,
-        trained: Callable[[str], bool],
-        uncommitted: set[str],
+        collected: Collected,
+        admit: Admit,
         stop: asyncio.Event,
         block_ms: int,
         between_reads: Callable[[], Awaitable[None]] | None,
     ) -> Collected | None:
-        """The next adapter's batch in the queues' fair order, reading until one is full."""
-        ack_with_step: list[str] = []
+        """The next adapter's batch in the queues' fair order, reading until one is full; what
+        to acknowledge with its step gathers in `collected`."""
         while True:
             if between_reads is not None:
                 await between_reads()
             if (ready := queues.pop_ready()) is not None:
-                break
+                collected.tenant, collected.held = ready
+                return collected
             if stop.is_set():
                 return None
             if self._backlog:
@@ -224,18 +251,18 @@ class Intake:
                 self._backlog = self._backlog[self.batch_size :]
             else:
                 entries = await self.consumer.read(self.batch_size, block_ms=block_ms)
+            self._unread = entries
             losses = await self.unfinished.counts([entry.entry_id for entry in entries])
             waiting = {held.sample.sample_id for held in queues.held()}
-            for entry in entries:
+            for i, entry in enumerate(entries):
                 lost = losses.get(entry.entry_id, 0)
-                sample = await self._admit(
-                    entry, policy_version, trained, uncommitted, waiting, lost
-                )
+                sample = await admit(entry, in_batch=waiting, lost=lost)
+                self._unread = entries[i + 1 :]
                 if not isinstance(sample, Sample):
                     if lost:
                         await self.unfinished.finish([entry.entry_id])
                     if isinstance(sample, str):
-                        ack_with_step.append(sample)
+                        collected.ack_with_step.append(sample)
                     continue
                 overflow = queues.overflow
                 adapter = queues.put(sample.tenant, Held(sample, entry), sample.weight_version)
@@ -247,8 +274,6 @@ class Intake:
                 waiting.add(sample.sample_id)
                 if queues.overflow > overflow:
                     self.metrics.tenant_overflow.inc()
-        adapter, held = ready
-        return Collected(held, ack_with_step, adapter)
 
     async def release_tenant(self, tenant: str) -> int:
         """Free `tenant`'s adapter slot (a reset or remove); the samples waiting for its adapter

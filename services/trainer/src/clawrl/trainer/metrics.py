@@ -173,6 +173,13 @@ class TrainerMetrics:
             "stay pending and are trained again after the restart).",
             registry=r,
         )
+        self.redis_errors = Counter(
+            "clawrl_trainer_redis_errors_total",
+            "Redis calls that failed, by stage (intake: reading a batch; the trainer reads again "
+            "after a pause, nothing read is lost).",
+            ["stage"],
+            registry=r,
+        )
         self.step_failures = Counter(
             "clawrl_trainer_step_failures_total",
             "Batches the backend failed to train (dead-lettered with the error).",

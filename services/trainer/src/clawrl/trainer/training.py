@@ -28,6 +28,7 @@ the shared policy until a reset.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -41,6 +42,7 @@ from redis.asyncio import Redis
 
 from clawrl.common.logs import log_context
 from clawrl.common.records import Sample
+from clawrl.common.redis_client import REDIS_ERRORS
 from clawrl.common.redis_text import text, text_fields
 from clawrl.common.served import delete_served_tenant
 from clawrl.common.streams import GroupConsumer
@@ -70,6 +72,9 @@ from clawrl.trainer.settings import TrainerSettings
 from clawrl.trainer.tenants import RESET_ACTIONS, resets_stream, served_version
 
 log = logging.getLogger(__name__)
+
+# Pause before reading samples again after Redis failed: first, and at most (doubling between).
+REDIS_RETRY_S = (1.0, 30.0)
 
 
 @dataclass
@@ -223,13 +228,26 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
+        pause_s = REDIS_RETRY_S[0]
         while not stop.is_set():
             current = self.state.policy_version if self.intake.queues is None else self._version_of
-            collected = await self.intake.next_batch(
-                current, self.trained.__contains__, self.uncommitted, stop,
-                block_ms=self.settings.consumer.block_ms,
-                between_reads=self.apply_resets if self.intake.queues is not None else None,
-            )  # fmt: skip
+            try:
+                collected = await self.intake.next_batch(
+                    current, self.trained.__contains__, self.uncommitted, stop,
+                    block_ms=self.settings.consumer.block_ms,
+                    between_reads=self.apply_resets if self.intake.queues is not None else None,
+                )  # fmt: skip
+            except REDIS_ERRORS as exc:
+                # Redis away a moment (a failover): read again, not restart the backend. The
+                # intake kept what it had read.
+                self.metrics.redis_errors.labels("intake").inc()
+                log.warning("reading samples failed, again in %.0f s: %s: %s",
+                            pause_s, type(exc).__name__, exc)  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause_s)
+                pause_s = min(2 * pause_s, REDIS_RETRY_S[1])
+                continue
+            pause_s = REDIS_RETRY_S[0]
             if collected is None:
                 break
             await self.step(collected)

@@ -1,0 +1,113 @@
+"""Redis failing while the trainer fills a batch (a failover, a Redis Cluster client rebuilding
+its slot map) costs a pause, not a restart of the trainer and its backend, and loses nothing:
+what the intake had read goes back in front of its backlog, and the next batch holds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+
+from clawrl.trainer import training
+from clawrl.trainer.intake import Intake
+from clawrl.trainer.metrics import TrainerMetrics
+from clawrl.trainer.service import make_consumer
+
+from .helpers import counter, make_sample, pending, publish_all, settings_for, start_trainer
+
+pytestmark = pytest.mark.integration
+
+SLOTS_MOVING = RedisClusterException("All slots are not covered after query all startup_nodes.")
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def failing(method, calls: set[int], error: Exception):
+    """`method`, raising `error` on the calls numbered in `calls` (1 = the first)."""
+    made = 0
+
+    async def call(*args, **kwargs):
+        nonlocal made
+        made += 1
+        if made in calls:
+            raise error
+        return await method(*args, **kwargs)
+
+    return call
+
+
+async def make_intake(redis, redis_url, tmp_path):
+    settings = settings_for(redis_url, tmp_path)
+    consumer = make_consumer(settings, redis)
+    await consumer.ensure_group()
+    intake = Intake(consumer, TrainerMetrics(), batch_size=4, max_staleness=4,
+                    vocab_size=49152, max_length=2048)  # fmt: skip
+    return settings, intake
+
+
+async def next_batch(intake: Intake):
+    taking = intake.next_batch(0, lambda _id: False, set(), asyncio.Event(), block_ms=20)
+    return await asyncio.wait_for(taking, 20)  # before: waited for entries it had lost
+
+
+async def test_entries_read_before_redis_failed_come_back(redis, redis_url, tmp_path) -> None:
+    settings, intake = await make_intake(redis, redis_url, tmp_path)
+    await publish_all(redis, settings, [make_sample(f"s{i}:0", [40 + i]) for i in range(6)])
+    # The read went through; the look-up of their lost steps, right after it, did not.
+    intake.unfinished.counts = failing(intake.unfinished.counts, {1}, SLOTS_MOVING)
+    with pytest.raises(RedisClusterException):
+        await next_batch(intake)
+    first = await next_batch(intake)
+    assert [h.sample.sample_id for h in first.held] == ["s0:0", "s1:0", "s2:0", "s3:0"]
+    await publish_all(redis, settings, [make_sample(f"s{i}:0", [40 + i]) for i in (6, 7)])
+    second = await next_batch(intake)
+    assert [h.sample.sample_id for h in second.held] == ["s4:0", "s5:0", "s6:0", "s7:0"]
+    assert first.ack_with_step == second.ack_with_step == []  # none taken for a duplicate
+
+
+async def test_a_half_filled_batch_survives_a_failed_read(redis, redis_url, tmp_path) -> None:
+    settings, intake = await make_intake(redis, redis_url, tmp_path)
+    await publish_all(redis, settings, [make_sample(f"h{i}:0", [40 + i]) for i in range(2)])
+    # Two entries read into the batch, then the read for the other two fails.
+    intake.consumer.read = failing(intake.consumer.read, {2}, RedisConnectionError("reset"))
+    with pytest.raises(RedisConnectionError):
+        await next_batch(intake)
+    await publish_all(redis, settings, [make_sample(f"h{i}:0", [40 + i]) for i in (2, 3)])
+    collected = await next_batch(intake)
+    assert [h.sample.sample_id for h in collected.held] == ["h0:0", "h1:0", "h2:0", "h3:0"]
+
+
+async def test_the_trainer_reads_again_after_redis_failed(
+    redis, redis_url, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(training, "REDIS_RETRY_S", (0.05, 0.2))
+    settings = settings_for(redis_url, tmp_path)
+    await publish_all(redis, settings, [make_sample(f"r{i}:0", [50 + i]) for i in range(8)])
+    trainer = await start_trainer(settings, redis)
+    consumer = trainer.intake.consumer
+    consumer.read = failing(consumer.read, {1, 2}, SLOTS_MOVING)  # down for two reads
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        for _ in range(1200):  # up to 120 s (a loaded host)
+            if trainer.state.samples_trained >= 8 and not await pending(redis, settings):
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(trainer.run(stop), 120)  # before: RedisClusterException here
+    finally:
+        watcher.cancel()
+    assert trainer.state.samples_trained == 8
+    assert counter(trainer, "clawrl_trainer_redis_errors_total", stage="intake") == 2
+    assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="duplicate") == 0
