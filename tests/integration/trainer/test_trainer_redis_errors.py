@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
+from clawrl.common.tenants import TenantSettings
 from clawrl.trainer import training
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
@@ -83,6 +84,25 @@ async def test_a_half_filled_batch_survives_a_failed_read(redis, redis_url, tmp_
     await publish_all(redis, settings, [make_sample(f"h{i}:0", [40 + i]) for i in (2, 3)])
     collected = await next_batch(intake)
     assert [h.sample.sample_id for h in collected.held] == ["h0:0", "h1:0", "h2:0", "h3:0"]
+
+
+async def test_a_tenant_batch_survives_a_failed_read(redis, redis_url, tmp_path) -> None:
+    """Per tenant: the entries read go back too, and queue for their adapters next time."""
+    settings = settings_for(redis_url, tmp_path)
+    consumer = make_consumer(settings, redis)
+    await consumer.ensure_group()
+    tenants = TenantSettings(mode="per_tenant", min_samples_per_step=2, max_adapters=2)
+    intake = Intake(consumer, TrainerMetrics(), batch_size=2, max_staleness=4, vocab_size=49152,
+                    max_length=2048, tenants=tenants)  # fmt: skip
+    order = ["alice", "bob", "alice"]
+    samples = [make_sample(f"{t}:{i}", [40 + i], tenant=t) for i, t in enumerate(order)]
+    await publish_all(redis, settings, samples)
+    intake.unfinished.counts = failing(intake.unfinished.counts, {1}, SLOTS_MOVING)
+    with pytest.raises(RedisClusterException):
+        await next_batch(intake)
+    collected = await next_batch(intake)
+    assert collected.tenant == "alice"
+    assert [h.sample.sample_id for h in collected.held] == ["alice:0", "alice:2"]
 
 
 async def test_the_trainer_reads_again_after_redis_failed(
