@@ -1,13 +1,15 @@
-"""The CPU engine (float32 and bfloat16) and real SGLang side by side, on this machine, in one
-run: decode tokens/s at 1, 8 and 16 streams, cold prefill tokens/s at 512, 4k and 12k tokens
-against a plain transformers forward pass in the same dtype, the time to first token of a
-cached follow-up (the longest prompt plus a short new message), memory, start-up, the CPU an idle
-engine uses, the CPU engine with 4 LoRA adapters loaded (every stream under an adapter: decode
-tokens/s and the overhead against the same engine without adapters), and the log-prob gap the
-trainer sees (|engine - float32 forward| over sampled rollouts, and against a forward in the
-engine's own dtype). The transformers pass (SDPA) runs in this process right before each engine
-prefill over the same ids (fresh ids per size and repeat), so each ratio compares two passes that
-saw the same host. Prints one table (medians) and the ratios' ranges; asserts nothing.
+"""The CPU engine (float32 and bfloat16) and real SGLang side by side, on this machine, in one run:
+decode tokens/s at 1, 8 and 16 streams, cold prefill tokens/s at 512, 4k and 12k tokens against a
+plain transformers forward pass in the same dtype, the time to first token of a cached follow-up
+(the longest prompt plus a short new message), memory, start-up, the CPU an idle engine uses, the
+CPU engine with 4 LoRA adapters loaded (every stream under an adapter: decode tokens/s and the
+overhead against the same engine without adapters; its warm-up runs one stream alone under the
+first adapter, which the engine then serves on merged weights, as it would a client of one
+adapter), and the log-prob gap the trainer sees (|engine - float32 forward| over sampled rollouts,
+and against a forward in the engine's own dtype). The transformers pass (SDPA) runs in this process
+right before each engine prefill over the same ids (fresh ids per size and repeat), so each ratio
+compares two passes that saw the same host. Prints one table (medians) and the ratios' ranges;
+asserts nothing.
 
 Each engine runs alone with the same threads; SGLang is started by the project's launcher
 (`clawrl-engine --backend sglang`, its generic CPU path, bf16), the CPU engine as `make run`

@@ -453,3 +453,25 @@ def test_more_adapters_than_slots_over_http(engine_factory, adapters):
     never = post(url, "/generate", {"input_ids": PROMPT_IDS, "lora_path": "nope"})
     assert never.status_code == 400
     assert "Got LoRA adapter that has never been loaded: nope" in never.text
+
+
+def test_an_adapter_put_in_the_merged_adapters_modules_is_served_with_its_own_weights(
+    engine_factory, adapters, model_dir
+):
+    """Two slots: a1 answers alone long enough to run on merged weights; a3 then evicts it and
+    takes over its injected modules (the same peft name, new tensors). a3's reply is a3's,
+    as transformers + peft computes it, not a1's merged one; a1 loaded back is a1 again."""
+    url = engine_factory(
+        MODEL, "--lora-paths", *(f"{n}={adapters[n]}" for n in ("a1", "a2", "a3")),
+        "--max-loras-per-batch", "2", "--lora-merge-after", "4",
+    )  # fmt: skip
+    first = answer(url, "a1", max_new_tokens=12)  # 12 passes under a1 alone: merged after 4
+    answer(url, "a2", max_new_tokens=1)  # a1 is now the least recently used
+    for name in ("a3", "a1"):  # each evicts the other into the modules it leaves
+        reply = answer(url, name, max_new_tokens=12)
+        expected = reference_logprobs(
+            model_dir, model_dir, adapters[name], PROMPT_IDS, reply["output_ids"]
+        )
+        assert logprobs(reply) == pytest.approx(expected, abs=1e-4), name
+    assert reply["output_ids"] == first["output_ids"]
+    assert metric(url, "clawrl_engine_lora_evictions_total", level="resident") >= 2

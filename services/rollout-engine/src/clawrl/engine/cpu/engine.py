@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from clawrl.common.models import context_length, resolve_model_dir
 from clawrl.common.process_groups import destroy_group, join_group, receive_broadcast
 from clawrl.common.settings import ModelSettings
@@ -31,7 +33,7 @@ from clawrl.engine.lora import (
     parse_lora_path,
 )
 from clawrl.engine.metrics import EngineMetrics
-from clawrl.engine.settings import EngineSettings
+from clawrl.engine.settings import SOLO_PREFILL_BF16, EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ class CpuEngine:
         )
         if self.runner.long_context:
             log.warning("LONG CONTEXT: %s", self.runner.long_context)
+        if serving.solo_prefill_size is None:  # bfloat16 only: float32 gained nothing from it
+            bf16 = self.runner.dtype == torch.bfloat16
+            serving = serving.model_copy(update={"solo_prefill_size": SOLO_PREFILL_BF16 * bf16})
         self.scheduler = Scheduler(
             self.runner, serving, self.metrics, self.decode, serving.weight_version
         )

@@ -22,18 +22,28 @@ first and the last adapter its rows use: one stream, or a batch under one adapte
 adapter alone, however many are loaded (SmolLM2-135M bf16, 4 loaded, 1 thread: one row +29 %
 CPU a step -> +18 %, 8 rows under one adapter +29 % -> +21 %). The scaling rides in the mask.
 
-A batch under one adapter alone (one stream, or every row of the adapter) still pays that
-adapter's products, ~18-22 % of a bf16 step (the same run: f32 +18-23 %). Such a pass runs on
-merged weights instead, W' = W + s B A (summed in float32, stored in the base dtype), so it
-costs what the bare model's does: once one adapter has had `merge_after` passes in a row to
-itself (engine.lora_merge_after, 8), its merged copy of every projection it adapts is built
-(SmolLM2-135M, all seven projections: 0.15-0.25 s, 202 MiB in bf16, 405 MiB in float32),
-and every later pass whose rows all use it runs on that copy. Only one adapter is merged at a
-time: another takes its place only after `merge_after` passes in a row of its own, so batches
-that alternate between adapters (a prefill under one between decode steps of another) never
-re-merge. A pass with a base row or a second adapter runs stacked, never on merged weights.
-The copy is dropped whenever it could be stale: a weight update (`invalidate`, from the
-runner's load_weights) and any adapter added, replaced in place or removed (`attach`).
+A batch under one adapter alone (one stream, or every row of the adapter) still paid that
+adapter's products: one stream +13-23 % CPU a token in float32, +18-32 % in bf16
+(bench_engines.py, 1 thread, four runs). Such a pass now runs on merged weights instead, W' =
+W + s B A (summed in float32, stored in the base dtype), so it costs what the bare model's does
+(the same bench in steady state: f32 +2-4 %, bf16 +1-8 %): once one adapter has had
+`merge_after` passes in a row to itself (engine.lora_merge_after, 8), its merged copy of every
+projection it adapts is built (SmolLM2-135M, all seven projections: 0.15-0.25 s, 202 MiB in
+bf16, 405 MiB in float32) and every later pass whose rows all use it runs on that copy. The
+build costs about what ~16-25 one-row passes' stacked products do, so a short first request
+gains little (32 tokens: f32 +18 %, bf16 +22 %, the merge included); later requests under the
+same adapter gain it all. Only one adapter is merged at a time: another takes its place only
+after `merge_after` passes in a row of its own, so batches that alternate between adapters (a
+prefill under one between decode steps of another) never re-merge. A pass with a base row or
+a second adapter runs stacked, never on merged weights. The copy is dropped whenever it could
+be stale: a weight update (`invalidate`, from the runner's load_weights) and any adapter added,
+replaced in place or removed (`attach`).
+
+Rows over several adapters stay stacked; the alternatives measured slower (the LoRA products
+of one step alone, SmolLM2-135M shapes x 30 layers, 4 rank-16 adapters, 1 thread, CPU ms at 8 /
+16 rows): stacked 11.3-11.7 / 12.9-13.3, grouped per adapter (index_select, two products,
+index_add) 14.7-15.1 / 16.2-17.5, bmm over per-row gathered A and B 16.4 / 28.5 (the gather
+copies an adapter per row), stacks and products in bfloat16 13.8 / 14.0.
 
 peft still injects, replaces and removes adapters; only its forward is replaced."""
 

@@ -377,7 +377,7 @@ class Scheduler:
         larger pass reads the weights fewer times)."""
         budget = self.settings.chunked_prefill_size
         if not self._running:
-            budget = max(budget, self.settings.solo_prefill_size)
+            budget = max(budget, self.settings.solo_prefill_size or 0)
         worked = False
         for seq in list(self._prefilling):
             if budget <= 0:
