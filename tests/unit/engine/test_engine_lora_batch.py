@@ -160,3 +160,29 @@ def test_a_batch_under_one_adapter_runs_on_merged_weights_that_never_go_stale(ad
     assert runner._stacked.merged is None
     runner.remove_adapter("c")
     assert runner._stacked._modules == []
+
+
+@torch.inference_mode()
+def test_a_merge_that_fails_leaves_the_pass_stacked_and_merging_off(adapters, monkeypatch):
+    """No memory for the merged copy: the pass runs stacked with peft's numbers, nothing half
+    merged is kept, the failure is counted, and no later pass tries again."""
+    failures = []
+    runner = ModelRunner(
+        resolve_model_dir(ModelSettings(path="smollm2-tiny")),
+        lora_merge_after=1,
+        lora_merge_failed=lambda: failures.append(1),
+    )
+    load(runner, "a", adapters["a"])
+    expected = hidden(runner, ["a"] * 4, peft=True)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(torch, "mm", no_memory)
+    assert torch.allclose(hidden(runner, ["a"] * 4, peft=False), expected, atol=1e-5)
+    monkeypatch.undo()
+    assert runner._stacked.merged is None and runner._stacked.merge_after == 0
+    assert all(m._clawrl_merged is None for m in runner._stacked._modules)
+    assert torch.allclose(hidden(runner, ["a"] * 4, peft=False), expected, atol=1e-5)
+    assert runner._stacked.merges == 0 and merged_passes(runner) == 0
+    assert failures == [1]  # counted once (clawrl_engine_lora_merge_failures_total)

@@ -219,3 +219,9 @@ class EngineMetrics:
             "for one that waited past lora_drain_wait_threshold.",
             registry=r,
         )
+        self.lora_merge_failures = Counter(
+            "clawrl_engine_lora_merge_failures",
+            "Merged weights of an adapter (engine.lora_merge_after) that could not be built (no "
+            "memory for the copy); merging is then off and such batches run stacked.",
+            registry=r,
+        )

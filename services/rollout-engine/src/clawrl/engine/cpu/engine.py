@@ -103,6 +103,7 @@ class CpuEngine:
             self.context_length,
             self.settings.model.rope_scaling,
             lora_merge_after=serving.lora_merge_after,
+            lora_merge_failed=self.metrics.lora_merge_failures.inc,
         )
         if self.runner.long_context:
             log.warning("LONG CONTEXT: %s", self.runner.long_context)

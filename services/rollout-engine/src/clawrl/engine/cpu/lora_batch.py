@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ class StackedLora:
     """The per-pass plan (which adapter each row uses), the stacks of every LoRA projection
     of one peft model, and the merged weights of at most one adapter."""
 
-    def __init__(self, merge_after: int = 0) -> None:
+    def __init__(self, merge_after: int = 0, on_merge_failure: Callable[[], None] | None = None):
         self.rows: list[str | None] | None = None  # peft adapter name per row; None: base
         self._spans: dict[tuple, Span | None] = {}  # stack layout -> this pass's span
         self._modules: list[nn.Module] = []
@@ -76,6 +77,7 @@ class StackedLora:
         self.merged: str | None = None  # the adapter whose merged weights the modules hold
         self.use_merged = False  # this pass runs on them
         self._streak: tuple[str | None, int] = (None, 0)  # adapter alone, passes in a row
+        self.on_merge_failure = on_merge_failure  # counts a merge that raised
         self.merges = 0  # how many times weights were merged, and passes run on them
         self.merged_passes = 0
 
@@ -136,15 +138,24 @@ class StackedLora:
             module._clawrl_merged = None
         self.merged = None
         nbytes = 0
-        for module in self._modules:
-            if name not in module.lora_A:
-                continue
-            base = module.base_layer.weight
-            a = module.lora_A[name].weight.float()
-            b = module.lora_B[name].weight.float()
-            merged = torch.mm(b, a).mul_(float(module.scaling[name])).add_(base)
-            module._clawrl_merged = merged.to(base.dtype)
-            nbytes += module._clawrl_merged.nbytes
+        try:
+            for module in self._modules:
+                if name not in module.lora_A:
+                    continue
+                base = module.base_layer.weight
+                a = module.lora_A[name].weight.float()
+                b = module.lora_B[name].weight.float()
+                merged = torch.mm(b, a).mul_(float(module.scaling[name])).add_(base)
+                module._clawrl_merged = merged.to(base.dtype)
+                nbytes += module._clawrl_merged.nbytes
+        except (RuntimeError, MemoryError):  # no memory for the copy: keep serving stacked
+            log.exception("merging LoRA adapter %s failed; batches under one adapter run on "
+                          "the stacked adapters from now on", name)  # fmt: skip
+            self.invalidate()
+            self.merge_after = 0
+            if self.on_merge_failure is not None:
+                self.on_merge_failure()
+            return
         self.merged = name
         self.merges += 1
         log.info("LoRA adapter %s merged into a copy of its projections' weights (%.0f MB, "

@@ -261,6 +261,7 @@ class ModelRunner:
         context_length: int | None = None,
         rope_scaling: str = "yarn",
         lora_merge_after: int = 0,
+        lora_merge_failed: Callable[[], None] | None = None,
     ):
         from transformers import AutoConfig
 
@@ -296,7 +297,7 @@ class ModelRunner:
         self._peft = None  # PeftModel around the decoder once an adapter is loaded
         # Runs the injected adapters, a mixed batch at once; a batch under one adapter alone
         # on merged weights once that adapter had lora_merge_after passes in a row (0: never).
-        self._stacked = StackedLora(lora_merge_after)
+        self._stacked = StackedLora(lora_merge_after, lora_merge_failed)
         self.adapters: set[str] = set()  # keys of the loaded adapters
         # key -> peft's name for it (the key it was injected as; `replace_adapter` reuses it)
         self._names: dict[str, str] = {}
