@@ -109,7 +109,8 @@ def merged_passes(runner: ModelRunner) -> int:
 def test_a_batch_under_one_adapter_runs_on_merged_weights_that_never_go_stale(adapters):
     """After lora_merge_after passes in a row under one adapter alone, such passes run on its
     merged weights with peft's numbers; base rows and other adapters never do; replacing the
-    merged adapter under its name or a weight update is seen by the very next pass."""
+    merged adapter under its name or a weight update is seen by the very next pass; other
+    adapters coming and going keep the copy."""
     runner = ModelRunner(resolve_model_dir(ModelSettings(path="smollm2-tiny")), lora_merge_after=2)
     base = runner._forward([None] * 4, input_ids=torch.tensor(PROMPTS)).last_hidden_state
     load(runner, "a", adapters["a"])
@@ -155,10 +156,19 @@ def test_a_batch_under_one_adapter_runs_on_merged_weights_that_never_go_stale(ad
         assert torch.allclose(hidden(runner, only_c, peft=False), expected_new, atol=1e-5)
     assert runner._stacked.merges == 3
 
-    # the last adapters leave: the merged copy goes with them, the model is bare again
+    # another adapter comes and another goes: c's tensors are untouched, its copy stays
+    passes = merged_passes(runner)
+    load(runner, "d", adapters["b"])
     runner.remove_adapter("b")
-    assert runner._stacked.merged is None
+    assert runner._stacked.merged == runner._names["c"]
+    assert torch.allclose(hidden(runner, only_c, peft=False), expected_new, atol=1e-5)
+    assert runner._stacked.merges == 3 and merged_passes(runner) == passes + 1
+
+    # the merged adapter leaves: its copy goes; the last one out leaves the model bare
     runner.remove_adapter("c")
+    assert runner._stacked.merged is None
+    assert all(m._clawrl_merged is None for m in runner._stacked._modules)
+    runner.remove_adapter("d")
     assert runner._stacked._modules == []
 
 

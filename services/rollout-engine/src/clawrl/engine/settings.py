@@ -171,8 +171,8 @@ class EngineServerSettings(Section):
         "stored in the model's dtype) and such passes run on them at the bare model's cost; "
         "mixed batches keep the stacked adapters. One adapter is merged at a time; its copy of "
         "the adapted projections costs their size (SmolLM2-135M, all seven projections: "
-        "212 MB in bfloat16, 425 MB in float32). Dropped on a weight update and whenever an "
-        "adapter is loaded, replaced or unloaded. 0: never merge.",
+        "212 MB in bfloat16, 425 MB in float32). Dropped on a weight update and when the "
+        "merged adapter is unloaded or replaced. 0: never merge.",
     )
     max_lora_rank: int | None = Field(
         None,

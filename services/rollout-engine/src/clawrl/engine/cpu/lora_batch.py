@@ -36,8 +36,10 @@ same adapter gain it all. Only one adapter is merged at a time: another takes it
 after `merge_after` passes in a row of its own, so batches that alternate between adapters (a
 prefill under one between decode steps of another) never re-merge. A pass with a base row or
 a second adapter runs stacked, never on merged weights. The copy is dropped whenever it could
-be stale: a weight update (`invalidate`, from the runner's load_weights) and any adapter added,
-replaced in place or removed (`attach`).
+be stale: a weight update (`invalidate`, from the runner's load_weights), the merged adapter
+removed, or its tensors replaced in place under its name (`attach` checks each projection's A
+and B by identity against those the copy was built from). Another adapter loaded or unloaded
+keeps it, so a version switch (load v2 beside v1, serve v2, unload v1) merges v2 once.
 
 Rows over several adapters stay stacked; the alternatives measured slower (the LoRA products
 of one step alone, SmolLM2-135M shapes x 30 layers, 4 rank-16 adapters, 1 thread, CPU ms at 8 /
@@ -83,17 +85,34 @@ class StackedLora:
 
     def attach(self, model: nn.Module) -> None:
         """Take over the forward of every peft LoRA Linear in `model` (again after adapters
-        were added, replaced or removed: the stacks are rebuilt at the next pass, and merged
-        weights are dropped)."""
+        were added, replaced or removed: the stacks are rebuilt at the next pass). The merged
+        weights stay only when every projection of the merged adapter still holds the very A
+        and B tensors they were built from (another adapter came or went); an adapter replaced
+        in place (new tensors under the same name) or removed drops them."""
         from peft.tuners.lora import Linear as LoraLinear
 
-        self.invalidate()
-        self._modules = [m for m in model.modules() if isinstance(m, LoraLinear)]
-        for module in self._modules:
+        modules = [m for m in model.modules() if isinstance(m, LoraLinear)]
+        if not self._still_merged(modules):
+            self.invalidate()
+        self._modules = modules
+        for module in modules:
             module._clawrl_stack = None
-            module._clawrl_merged = None
+            if self.merged is None:
+                module._clawrl_merged = module._clawrl_merged_from = None
             module.forward = types.MethodType(_stacked_forward, module)
             module._clawrl_plan = self
+
+    def _still_merged(self, modules: list[nn.Module]) -> bool:
+        name = self.merged
+        if name is None:
+            return False
+        adapted = [m for m in modules if name in m.lora_A]
+        return bool(adapted) and all(
+            getattr(m, "_clawrl_merged", None) is not None
+            and m._clawrl_merged_from[0] is m.lora_A[name].weight
+            and m._clawrl_merged_from[1] is m.lora_B[name].weight
+            for m in adapted
+        )
 
     def detach(self) -> None:
         """The last adapter left: forget the modules (and free any merged weights)."""
@@ -104,7 +123,7 @@ class StackedLora:
         """Drop the merged weights: the base weights or an adapter changed (a weight sync, an
         adapter added, replaced or removed). The next merge starts from the new tensors."""
         for module in self._modules:
-            module._clawrl_merged = None
+            module._clawrl_merged = module._clawrl_merged_from = None
         self.merged = None
         self.use_merged = False
         self._streak = (None, 0)
@@ -135,7 +154,7 @@ class StackedLora:
         the adapted weights at most)."""
         start = time.perf_counter()
         for module in self._modules:
-            module._clawrl_merged = None
+            module._clawrl_merged = module._clawrl_merged_from = None
         self.merged = None
         nbytes = 0
         try:
@@ -143,10 +162,10 @@ class StackedLora:
                 if name not in module.lora_A:
                     continue
                 base = module.base_layer.weight
-                a = module.lora_A[name].weight.float()
-                b = module.lora_B[name].weight.float()
-                merged = torch.mm(b, a).mul_(float(module.scaling[name])).add_(base)
-                module._clawrl_merged = merged.to(base.dtype)
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                merged = torch.mm(b.float(), a.float()).mul_(float(module.scaling[name]))
+                module._clawrl_merged = merged.add_(base).to(base.dtype)
+                module._clawrl_merged_from = (a, b)  # what a later attach checks it against
                 nbytes += module._clawrl_merged.nbytes
         except (RuntimeError, MemoryError):  # no memory for the copy: keep serving stacked
             log.exception("merging LoRA adapter %s failed; batches under one adapter run on "
