@@ -26,7 +26,7 @@ A batch under one adapter alone (one stream, or every row of the adapter) still 
 adapter's products: one stream +13-23 % CPU a token in float32, +18-32 % in bf16
 (bench_engines.py, 1 thread, four runs). Such a pass now runs on merged weights instead, W' =
 W + s B A (summed in float32, stored in the base dtype), so it costs what the bare model's does
-(the same bench in steady state: f32 +2-4 %, bf16 +1-8 %): once one adapter has had
+(the same bench in steady state: f32 +1-4 %, bf16 +1-8 %): once one adapter has had
 `merge_after` passes in a row to itself (engine.lora_merge_after, 8), its merged copy of every
 projection it adapts is built (SmolLM2-135M, all seven projections: 0.15-0.25 s, 202 MiB in
 bf16, 405 MiB in float32) and every later pass whose rows all use it runs on that copy. The
