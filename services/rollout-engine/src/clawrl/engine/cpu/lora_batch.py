@@ -177,7 +177,7 @@ class StackedLora:
             return
         self.merged = name
         self.merges += 1
-        log.info("LoRA adapter %s merged into a copy of its projections' weights (%.0f MB, "
+        log.info("LoRA adapter %s merged into a copy of its projections' weights (%.0f MiB, "
                  "%.2f s)", name, nbytes / 2**20, time.perf_counter() - start)  # fmt: skip
 
     def span(self, stack: Stack) -> Span | None:
