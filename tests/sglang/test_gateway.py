@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from clawrl.judge.teacher import teacher_from_meta, teacher_request
 from tests.integration.gateway.conftest import GatewayFactory
 from tests.integration.gateway.helpers import GatewayHandle, user
-from tests.sglang.conftest import MODEL
+from tests.sglang.conftest import MODEL, relative_gap
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
 
@@ -101,10 +101,10 @@ def test_sampled_turns_record_raw_log_probs(gateway, sglang_url):
         f"{sglang_url}/generate", json=teacher_request(prompt, response, 0), timeout=300
     ).json()
     teacher = teacher_from_meta(scored["meta_info"], response, 0).logprobs
-    assert list(turn.response_logprobs) == pytest.approx(teacher, rel=0.03, abs=0.25)
-    # Over the whole reply the gap is ~0.5% of the log-probs' size (3 runs here).
-    gap = sum(abs(a - b) for a, b in zip(turn.response_logprobs, teacher, strict=True))
-    assert gap / sum(abs(b) for b in teacher) < 0.02
+    # Single tokens 3.5-5 % apart were seen (bf16 decode vs prefill, test_generate_contract);
+    # over the whole reply the gap is ~0.5-1 % of the log-probs' size, tempered ones 17-26 %.
+    assert list(turn.response_logprobs) == pytest.approx(teacher, rel=0.08, abs=0.25)
+    assert relative_gap(list(turn.response_logprobs), teacher) < 0.04
     assert turn.temperature == 2.0
 
 

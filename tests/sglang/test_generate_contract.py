@@ -9,6 +9,7 @@ import pytest
 from clawrl.common.sglang_client import SGLangClient, sampling_params
 from clawrl.gateway.generation import Generation
 from clawrl.judge.teacher import teacher_from_meta, teacher_request
+from tests.sglang.conftest import relative_gap
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
 
@@ -96,8 +97,9 @@ async def test_teacher_pass_alignment_and_top_k(sglang_url):
 async def test_sampled_logprobs_are_of_the_raw_distribution(sglang_url):
     """With SGLANG_RETURN_ORIGINAL_LOGPROB (the launcher sets it) a token sampled at
     temperature 2 reports its log-prob under the untempered model, as the teacher pass scores
-    it (within bf16's decode/prefill noise, ~1%); SGLang's default would report
-    log softmax(logits / 2), about half of it for unlikely tokens."""
+    it, within bf16's decode/prefill noise; SGLang's default would report
+    log softmax(logits / 2), 17-26 % off over a 16-token reply (about half of it for unlikely
+    tokens)."""
     client = SGLangClient(sglang_url)
     try:
         sampled = await client.generate(request(max_new_tokens=16, temperature=2.0))
@@ -107,4 +109,8 @@ async def test_sampled_logprobs_are_of_the_raw_distribution(sglang_url):
         await client.aclose()
     sampled_lps = [e[0] for e in sampled["meta_info"]["output_token_logprobs"]]
     teacher = teacher_from_meta(scored["meta_info"], response, 0).logprobs
-    assert sampled_lps == pytest.approx(teacher, rel=0.03, abs=0.1)
+    # bf16 decode and prefill round differently: single tokens at log-probs of -5 to -11 were
+    # 3.5-5 % apart in one run (1.7 % at most in two others); over the whole reply the gap is
+    # ~0.5 % of the log-probs' size (0.44 % and 0.53 %), where tempered ones are 17-26 % off.
+    assert sampled_lps == pytest.approx(teacher, rel=0.08, abs=0.25)
+    assert relative_gap(sampled_lps, teacher) < 0.04
