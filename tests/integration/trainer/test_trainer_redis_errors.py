@@ -105,6 +105,31 @@ async def test_a_tenant_batch_survives_a_failed_read(redis, redis_url, tmp_path)
     assert [h.sample.sample_id for h in collected.held] == ["alice:0", "alice:2"]
 
 
+async def test_an_entry_whose_drop_failed_is_dropped_again(redis, redis_url, tmp_path) -> None:
+    """A sample of a tenant no longer selected is dropped (acknowledged); when that
+    acknowledgement fails, the entry is read again, not left held until a restart."""
+    settings = settings_for(redis_url, tmp_path)
+    consumer = make_consumer(settings, redis)
+    await consumer.ensure_group()
+    tenants = TenantSettings(mode="per_tenant", min_samples_per_step=2, allow=["alice"])
+    intake = Intake(consumer, TrainerMetrics(), batch_size=2, max_staleness=4, vocab_size=49152,
+                    max_length=2048, tenants=tenants)  # fmt: skip
+    samples = [
+        make_sample("bob:0", [40], tenant="bob", weight_version="tenant-bob-v1"),  # unrouted
+        make_sample("alice:1", [41], tenant="alice"),
+        make_sample("alice:2", [42], tenant="alice"),
+    ]
+    await publish_all(redis, settings, samples)
+    consumer.ack = failing(consumer.ack, {1}, RedisConnectionError("reset"))
+    with pytest.raises(RedisConnectionError):
+        await next_batch(intake)
+    collected = await next_batch(intake)
+    assert [h.sample.sample_id for h in collected.held] == ["alice:1", "alice:2"]
+    assert await pending(redis, settings) == 2  # bob's entry was acknowledged
+    dropped = intake.metrics.samples_dropped.labels("tenant_unrouted")._value.get()
+    assert dropped == 1  # once: the try whose acknowledgement failed is not counted
+
+
 async def test_the_trainer_reads_again_after_redis_failed(
     redis, redis_url, tmp_path, monkeypatch
 ) -> None:

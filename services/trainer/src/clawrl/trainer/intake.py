@@ -208,6 +208,7 @@ class Intake:
             self._unread = entries
             losses = await self.unfinished.counts([entry.entry_id for entry in entries])
             for i, entry in enumerate(entries):
+                self._unread = entries[i:]  # an entry is read again until it is dealt with
                 lost = losses.get(entry.entry_id, 0)
                 fits = step_limit(lost, self.batch_size, self.loss_retries)
                 if 0 < min(fits, limit) <= len(collected.held):
@@ -215,7 +216,6 @@ class Intake:
                     self._unread = []
                     return collected
                 sample = await admit(entry, in_batch=in_batch, lost=lost)
-                self._unread = entries[i + 1 :]
                 if not isinstance(sample, Sample):
                     if lost:  # dealt with here: nothing left to count
                         await self.unfinished.finish([entry.entry_id])
@@ -225,6 +225,7 @@ class Intake:
                 in_batch.add(sample.sample_id)
                 collected.held.append(Held(sample, entry))
                 limit = min(limit, fits)
+            self._unread = []
         return collected
 
     async def _next_tenant_batch(
@@ -255,9 +256,9 @@ class Intake:
             losses = await self.unfinished.counts([entry.entry_id for entry in entries])
             waiting = {held.sample.sample_id for held in queues.held()}
             for i, entry in enumerate(entries):
+                self._unread = entries[i:]  # an entry is read again until it is dealt with
                 lost = losses.get(entry.entry_id, 0)
                 sample = await admit(entry, in_batch=waiting, lost=lost)
-                self._unread = entries[i + 1 :]
                 if not isinstance(sample, Sample):
                     if lost:
                         await self.unfinished.finish([entry.entry_id])
@@ -274,6 +275,7 @@ class Intake:
                 waiting.add(sample.sample_id)
                 if queues.overflow > overflow:
                     self.metrics.tenant_overflow.inc()
+            self._unread = []
 
     async def release_tenant(self, tenant: str) -> int:
         """Free `tenant`'s adapter slot (a reset or remove); the samples waiting for its adapter
@@ -308,8 +310,8 @@ class Intake:
             self.metrics.samples_dropped.labels("duplicate").inc()
             return entry.entry_id
         if not is_trainable(sample):
-            consumed.labels("masked").inc()
             await self.consumer.ack(entry.entry_id)
+            consumed.labels("masked").inc()
             return None
         current = policy_version(sample) if callable(policy_version) else policy_version
         if current - sample.policy_version > self.max_staleness:
@@ -335,14 +337,15 @@ class Intake:
             )
         return sample
 
+    # Counted once done: an entry whose acknowledgement failed is read and dropped again.
     async def _drop(self, entry: Entry, reason: str, sample: Sample) -> None:
+        await self.consumer.ack(entry.entry_id)
         self.metrics.samples_consumed.labels("dropped").inc()
         self.metrics.samples_dropped.labels(reason).inc()
-        await self.consumer.ack(entry.entry_id)
         log.info("dropped sample %s (%s, policy version %d)",
                  sample.sample_id, reason, sample.policy_version)  # fmt: skip
 
     async def _drop_bad(self, entry: Entry, reason: str, detail: str) -> None:
+        await self.consumer.dead_letter(entry, detail)
         self.metrics.samples_consumed.labels("dropped").inc()
         self.metrics.samples_dropped.labels(reason).inc()
-        await self.consumer.dead_letter(entry, detail)
