@@ -12,14 +12,13 @@ from torch import nn
 from clawrl.common.models import resolve_model_dir
 from clawrl.common.settings import ModelSettings
 from clawrl.engine.cpu.adapters import prepare_adapter
+from clawrl.engine.cpu.one_row import OneRowLinear, one_row_linears
 from clawrl.engine.cpu.runner import (
     KvBatch,
     ModelRunner,
-    OneRowLinear,
     layer_kv,
     merge_kv,
     native_bf16,
-    one_row_linears,
     resolve_dtype,
 )
 from clawrl.engine.lora import normalized_modules

@@ -108,8 +108,8 @@ class CpuEngine:
         if self.runner.long_context:
             log.warning("LONG CONTEXT: %s", self.runner.long_context)
         if serving.solo_prefill_size is None:  # bfloat16 only: float32 gained nothing from it
-            bf16 = self.runner.dtype == torch.bfloat16
-            serving = serving.model_copy(update={"solo_prefill_size": SOLO_PREFILL_BF16 * bf16})
+            solo = SOLO_PREFILL_BF16 if self.runner.dtype == torch.bfloat16 else 0
+            serving = serving.model_copy(update={"solo_prefill_size": solo})
         self.scheduler = Scheduler(
             self.runner, serving, self.metrics, self.decode, serving.weight_version
         )

@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clawrl.engine.cpu.one_row import one_row_linear
+
 log = logging.getLogger(__name__)
 
 
@@ -241,7 +243,10 @@ def _stacked_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if plan.use_merged:
         if plan.merged not in self.lora_A:
             return self.base_layer(x, *args, **kwargs)
-        return _merged_linear(x, self._clawrl_merged, self.base_layer.bias)
+        merged = self._clawrl_merged
+        if merged.dtype != torch.bfloat16:  # one row is no faster as a product in float32
+            return F.linear(x, merged, self.base_layer.bias)
+        return one_row_linear(x, merged, self.base_layer.bias)
     result = self.base_layer(x, *args, **kwargs)
     if plan.rows is None or not self.lora_A:
         return result
@@ -256,16 +261,3 @@ def _stacked_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     mask = span.mask.view(span.mask.shape[0], *([1] * (x.dim() - 2)), span.mask.shape[1])
     delta = torch.matmul(torch.matmul(x.float(), a_t) * mask, b_t)
     return result + delta.to(result.dtype)
-
-
-def _merged_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ weight^T (+ bias), one bfloat16 row as a matrix-vector product, as the base layer
-    (runner.OneRowLinear) does it."""
-    if weight.dtype != torch.bfloat16 or x.numel() != weight.shape[1]:
-        return F.linear(x, weight, bias)
-    out = torch.mv(weight, x.reshape(-1))
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])

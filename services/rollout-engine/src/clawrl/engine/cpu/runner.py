@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -28,6 +27,7 @@ from clawrl.common.models import stretch_config
 from clawrl.engine.cpu.adapters import PreparedAdapter
 from clawrl.engine.cpu.attention import ATTENTION
 from clawrl.engine.cpu.lora_batch import StackedLora
+from clawrl.engine.cpu.one_row import one_row_linears
 from clawrl.engine.cpu.prefix_cache import LayerKV
 from clawrl.engine.cpu.sampling import token_logprobs
 
@@ -70,32 +70,6 @@ def resolve_dtype(name: str, cpuinfo: str | None = None) -> torch.dtype:
         log.warning("engine.dtype=bfloat16 on a CPU without native bf16: torch emulates it "
                     "(slower than float32)")  # fmt: skip
     return getattr(torch, name)
-
-
-class OneRowLinear(nn.Linear):
-    """nn.Linear that multiplies a single row as a matrix-vector product. In bfloat16 torch's
-    matrix-vector kernel reads the weights at twice the speed of its one-row matmul (SmolLM2's
-    1536x576 projection: 62 vs 118 us, its 49152x576 head: 3.5 vs 7.7 ms, one thread), which is
-    what decoding one stream and a prompt's last logits do. Float32 gains nothing (same kernel).
-    peft wraps it like any Linear (isinstance), and unwrapping gives it back."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.mv(self.weight, x.reshape(-1))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-def one_row_linears(model: nn.Module) -> int:
-    """Make every plain nn.Linear of `model` a OneRowLinear (same tensors); -> how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = OneRowLinear
-            count += 1
-    return count
 
 
 class CheckpointError(ValueError):
