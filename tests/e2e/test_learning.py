@@ -55,9 +55,15 @@ LORA_T = 0.1
 # one version old: a paused full sync trails the trainer's steps under load, and at lr 0.1 a
 # step on samples 3-4 versions old swung the reward (+0.64 -> -0.52 in one version) and left it
 # below +0.25 after 14 steps in 3 of 5 runs with the default max_staleness 4 (CI's included),
-# 0 of 3 with 1.
+# 0 of 3 with 1. Its lr is 0.03: AdamW's first steps move every weight by ~lr, and at 0.1 a
+# step could make the policy all but deterministic on a reply from the other half (CI's run:
+# +0.30 at v3, -0.30 at v5, then every reply -1.0), a state the batch baseline never leaves
+# (all rewards alike: no advantage). Measured on this host (a version's mean reward, lowest
+# of the run): at 0.1 it fell to -0.42..-0.83 in 3 of 12 runs; at 0.05 to -0.30 at worst in 10;
+# at 0.03 never below -0.13 in 18 runs (4 of them with a core kept busy), the newest three
+# versions then at +0.62..+1.0 after 19-35 steps (40 s at most).
 TRAINING = {
-    "full": (("--lora-rank", "0", "--lr", "0.1", "--baseline", "batch"), 1.0, 14),
+    "full": (("--lora-rank", "0", "--lr", "0.03", "--baseline", "batch"), 1.0, 40),
     "lora": (("--lora-rank", "16", "--lr", LORA_LR, "--baseline", "none"), LORA_T, LORA_STEPS),
 }
 MAX_STALENESS = {"full": "1", "lora": "4"}
