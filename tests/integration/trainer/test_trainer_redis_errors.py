@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from clawrl.common.tenants import TenantSettings
+from clawrl.common.versions import VersionReady
 from clawrl.trainer import training
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
@@ -52,6 +53,25 @@ async def make_intake(redis, redis_url, tmp_path):
     intake = Intake(consumer, TrainerMetrics(), batch_size=4, max_staleness=4,
                     vocab_size=49152, max_length=2048)  # fmt: skip
     return settings, intake
+
+
+async def run_until_trained(trainer, redis, settings, samples: int) -> None:
+    """Run the trainer until it has trained `samples` and nothing is pending (then stop it);
+    up to 120 s (a loaded host)."""
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        for _ in range(1200):
+            if trainer.state.samples_trained >= samples and not await pending(redis, settings):
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(trainer.run(stop), 120)
+    finally:
+        watcher.cancel()
 
 
 async def next_batch(intake: Intake):
@@ -139,20 +159,60 @@ async def test_the_trainer_reads_again_after_redis_failed(
     trainer = await start_trainer(settings, redis)
     consumer = trainer.intake.consumer
     consumer.read = failing(consumer.read, {1, 2}, SLOTS_MOVING)  # down for two reads
-    stop = asyncio.Event()
-
-    async def watch() -> None:
-        for _ in range(1200):  # up to 120 s (a loaded host)
-            if trainer.state.samples_trained >= 8 and not await pending(redis, settings):
-                break
-            await asyncio.sleep(0.1)
-        stop.set()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.wait_for(trainer.run(stop), 120)  # before: RedisClusterException here
-    finally:
-        watcher.cancel()
+    await run_until_trained(trainer, redis, settings, 8)  # before: RedisClusterException
     assert trainer.state.samples_trained == 8
     assert counter(trainer, "clawrl_trainer_redis_errors_total", stage="intake") == 2
     assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="duplicate") == 0
+
+
+async def test_a_steps_own_redis_calls_are_made_again(
+    redis, redis_url, tmp_path, monkeypatch
+) -> None:
+    """Redis failing inside a step (its unfinished-step counts, the read of the announced
+    version, the acknowledgement of its durable state, the announcement) costs a pause: the
+    same trainer and backend go on, train every sample once and announce each version once."""
+    monkeypatch.setattr(training, "REDIS_RETRY_S", (0.05, 0.2))
+    reset = RedisConnectionError("reset")
+    settings = settings_for(redis_url, tmp_path, checkpoint={"sync_interval": 1})
+    await publish_all(redis, settings, [make_sample(f"c{i}:0", [60 + i]) for i in range(8)])
+    trainer = await start_trainer(settings, redis)
+    unfinished = trainer.intake.unfinished
+    unfinished.begin = failing(unfinished.begin, {1}, reset)
+    unfinished.finish = failing(unfinished.finish, {2}, SLOTS_MOVING)
+    trainer.consumer.ack = failing(trainer.consumer.ack, {1, 2}, reset)
+    monkeypatch.setattr(training, "latest", failing(training.latest, {1}, reset))
+    monkeypatch.setattr(training, "announce", failing(training.announce, {2}, SLOTS_MOVING))
+    await run_until_trained(trainer, redis, settings, 8)  # before: ConnectionError
+    assert trainer.state.samples_trained == 8 and trainer.state.policy_version == 2
+    assert await pending(redis, settings) == 0
+    announced = [VersionReady.from_fields(f).version
+                 for _, f in await redis.xrange(settings.redis.versions_stream)]  # fmt: skip
+    assert announced == [1, 2]
+    errors = {stage: counter(trainer, "clawrl_trainer_redis_errors_total", stage=stage)
+              for stage in ("step", "export", "commit", "announce")}  # fmt: skip
+    assert errors == {"step": 2, "export": 1, "commit": 2, "announce": 1}
+    assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="duplicate") == 0
+
+
+async def test_a_stopping_trainer_gives_up_on_redis(
+    redis, redis_url, tmp_path, monkeypatch
+) -> None:
+    """Redis down for good while a step commits: the trainer keeps trying until it is told to
+    stop, then the error goes up at once (the restart replays from its durable state), the
+    step's entries still pending."""
+    monkeypatch.setattr(training, "REDIS_RETRY_S", (0.05, 0.2))
+    settings = settings_for(redis_url, tmp_path)
+    await publish_all(redis, settings, [make_sample(f"d{i}:0", [70 + i]) for i in range(4)])
+    trainer = await start_trainer(settings, redis)
+    trainer.consumer.ack = failing(trainer.consumer.ack, set(range(1, 10_000)), SLOTS_MOVING)
+    stop = asyncio.Event()
+    running = asyncio.create_task(trainer.run(stop))
+    for _ in range(1200):  # up to 120 s (a loaded host)
+        if counter(trainer, "clawrl_trainer_redis_errors_total", stage="commit") >= 3:
+            break
+        await asyncio.sleep(0.1)
+    assert not running.done()  # still trying
+    stop.set()
+    with pytest.raises(RedisClusterException):
+        await asyncio.wait_for(running, 10)
+    assert trainer.state.samples_trained == 4 and await pending(redis, settings) == 4

@@ -9,6 +9,9 @@ Order of a step (exactly-once rests on it):
 5. only then XACK the entries of the steps it includes, and announce the new version.
 A crash before 4 replays the steps from the last state with the same entries (still pending);
 a crash between 4 and 5 finds the ids in the state and acknowledges them without training.
+Redis away a moment (a failover) costs a pause, not a crash: a failed read of samples is read
+again, and a step's own Redis calls (its unfinished-step counts, acknowledgements, dead letters,
+announcements) are made again after a pause, so the backend keeps its model.
 
 In `[tenants] mode = "per_tenant"` a batch is one adapter's (intake, tenants.TenantQueues): the
 step trains that adapter alone, every sync_interval steps of it exports it (a tenant's as
@@ -33,9 +36,9 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from redis.asyncio import Redis
@@ -73,8 +76,10 @@ from clawrl.trainer.tenants import RESET_ACTIONS, resets_stream, served_version
 
 log = logging.getLogger(__name__)
 
-# Pause before reading samples again after Redis failed: first, and at most (doubling between).
+# Pause before a Redis call is made again after it failed: first, and at most (doubling between).
 REDIS_RETRY_S = (1.0, 30.0)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -168,6 +173,7 @@ class Trainer:
         self.pending_acks: list[str] = []  # entries of those steps
         self.unannounced: VersionReady | None = None
         self.unannounced_tenants: list[VersionReady] = []  # tenants' exports, per-tenant mode
+        self._stop = asyncio.Event()  # run()'s: set once the trainer is stopping
         self._bind_tenants()
 
     def _bind_tenants(self) -> None:
@@ -228,6 +234,7 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take steps until `stop` is set; the step in progress finishes and commits first."""
+        self._stop = stop
         pause_s = REDIS_RETRY_S[0]
         while not stop.is_set():
             current = self.state.policy_version if self.intake.queues is None else self._version_of
@@ -240,12 +247,7 @@ class Trainer:
             except REDIS_ERRORS as exc:
                 # Redis away a moment (a failover): read again, not restart the backend. The
                 # intake kept what it had read.
-                self.metrics.redis_errors.labels("intake").inc()
-                log.warning("reading samples failed, again in %.0f s: %s: %s",
-                            pause_s, type(exc).__name__, exc)  # fmt: skip
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), pause_s)
-                pause_s = min(2 * pause_s, REDIS_RETRY_S[1])
+                pause_s = await self._pause("intake", exc, pause_s)
                 continue
             pause_s = REDIS_RETRY_S[0]
             if collected is None:
@@ -253,6 +255,33 @@ class Trainer:
             await self.step(collected)
         if self.pending_acks:
             await self.commit()
+
+    async def _pause(self, stage: str, exc: Exception, pause_s: float) -> float:
+        """Count and log a failed Redis call, wait `pause_s` (less if the trainer stops);
+        -> the pause before the next try."""
+        self.metrics.redis_errors.labels(stage).inc()
+        log.warning("a Redis call (%s) failed, again in %.0f s: %s: %s",
+                    stage, pause_s, type(exc).__name__, exc)  # fmt: skip
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), pause_s)
+        return min(2 * pause_s, REDIS_RETRY_S[1])
+
+    async def _redis(self, stage: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A step's own Redis call, made again after a pause until Redis answers (a failover,
+        a cluster client rebuilding its slot map), so the backend keeps its model. Once the
+        trainer is stopping the error goes up: the restart replays from the last durable
+        state, as after a crash. Each call here is safe to repeat, up to a rare duplicate
+        when Redis ran a call whose answer was lost (an entry's unfinished count one higher,
+        a dead letter or an announcement twice)."""
+        pause_s = REDIS_RETRY_S[0]
+        while True:
+            try:
+                return await call()
+            except REDIS_ERRORS as exc:
+                if self._stop.is_set():
+                    self.metrics.redis_errors.labels(stage).inc()
+                    raise
+                pause_s = await self._pause(stage, exc, pause_s)
 
     async def step(self, collected: Collected) -> StepReport | None:
         """Train one collected batch; None when the backend could not train it (its entries
@@ -265,7 +294,8 @@ class Trainer:
         entry_ids = [h.entry.entry_id for h in collected.held]
         # Counted before the backend sees the batch: if it kills the backend (or the whole
         # trainer), the restart knows, and splits the batch instead of dying on it forever.
-        await self.intake.unfinished.begin(entry_ids)
+        unfinished = self.intake.unfinished
+        await self._redis("step", lambda: unfinished.begin(entry_ids))
         try:
             if per_tenant:
                 await self.backend.call("use_adapter", adapter)
@@ -277,10 +307,10 @@ class Trainer:
                       exc)  # fmt: skip
             raise
         except Exception as exc:  # one batch the backend cannot train must not stop the stream
-            await self.intake.unfinished.finish(entry_ids)
+            await self._redis("step", lambda: unfinished.finish(entry_ids))
             await self._reject(collected, exc)
             return None
-        await self.intake.unfinished.finish(entry_ids)
+        await self._redis("step", lambda: unfinished.finish(entry_ids))
         if figures is None:
             await self._skip(collected, batch)
             return None
@@ -375,8 +405,8 @@ class Trainer:
         log.warning("no step on %d samples: every advantage is 0 (reward mean %.3f; e.g. every "
                     "reward 0, or all alike under the batch baseline) and no distillation term",
                     batch.size, float(batch.reward.mean()))  # fmt: skip
-        await self.consumer.ack(*[h.entry.entry_id for h in collected.held],
-                                *collected.ack_with_step)  # fmt: skip
+        entry_ids = [h.entry.entry_id for h in collected.held] + collected.ack_with_step
+        await self._redis("drop", lambda: self.consumer.ack(*entry_ids))
 
     async def _reject(self, collected: Collected, exc: Exception) -> None:
         """Dead-letter a batch the backend failed on, with the error, and count it."""
@@ -385,7 +415,7 @@ class Trainer:
                   len(collected.held), reason, exc_info=exc)  # fmt: skip
         self.metrics.step_failures.inc()
         for held in collected.held:
-            await self.consumer.dead_letter(held.entry, reason)
+            await self._redis("drop", lambda h=held: self.consumer.dead_letter(h.entry, reason))
         self.metrics.samples_consumed.labels("dropped").inc(len(collected.held))
         self.metrics.samples_dropped.labels("step_failed").inc(len(collected.held))
         # Duplicates held for this step: their originals were trained before, so they go too.
@@ -395,7 +425,8 @@ class Trainer:
         """Write policy/v{version}; it is announced once the state that includes it commits."""
         tmp = self.store.staging(f"v{version}")
         await self.backend.call("export_hf", tmp)
-        announced = await latest(self.redis, self.settings.redis.versions_stream)
+        stream = self.settings.redis.versions_stream
+        announced = await self._redis("export", lambda: latest(self.redis, stream))
         path = self.store.commit_export(
             tmp, version, announced=announced.version if announced else None
         )
@@ -487,7 +518,8 @@ class Trainer:
         if self.state.step == self.settings.checkpoint.hold_before_ack_step:
             log.warning("holding before XACK of step %d (fault injection)", self.state.step)
             await asyncio.Event().wait()
-        await self.consumer.ack(*self.pending_acks)
+        acks = self.pending_acks
+        await self._redis("commit", lambda: self.consumer.ack(*acks))
         self.pending_acks = []
         self.uncommitted = set()
         if self.unannounced is not None:
@@ -499,7 +531,7 @@ class Trainer:
                 await self.sync(ready)
         tenants_stream = tenant_versions_stream(self.settings.redis.versions_stream)
         for ready in self.unannounced_tenants:
-            await announce(self.redis, tenants_stream, ready)
+            await self._redis("announce", lambda r=ready: announce(self.redis, tenants_stream, r))
             log.info("announced tenant %s's version %d at %s", ready.tenant, ready.version,
                      ready.path)  # fmt: skip
         self.unannounced_tenants = []
@@ -512,7 +544,8 @@ class Trainer:
                             adapter=adapter)  # fmt: skip
 
     async def _announce(self, ready: VersionReady) -> None:
-        await announce(self.redis, self.settings.redis.versions_stream, ready)
+        stream = self.settings.redis.versions_stream
+        await self._redis("announce", lambda: announce(self.redis, stream, ready))
         log.info("announced policy version %d at %s", ready.version, ready.path)
 
     def _observe(
