@@ -524,7 +524,7 @@ class Trainer:
         self.uncommitted = set()
         if self.unannounced is not None:
             ready = self.unannounced
-            await self._announce(ready)
+            await self._redis("announce", lambda: self._announce(ready))
             self.unannounced = None
             if self.sync is not None:
                 # Before the next step changes the weights: they are exactly version N now.
@@ -544,8 +544,7 @@ class Trainer:
                             adapter=adapter)  # fmt: skip
 
     async def _announce(self, ready: VersionReady) -> None:
-        stream = self.settings.redis.versions_stream
-        await self._redis("announce", lambda: announce(self.redis, stream, ready))
+        await announce(self.redis, self.settings.redis.versions_stream, ready)
         log.info("announced policy version %d at %s", ready.version, ready.path)
 
     def _observe(
