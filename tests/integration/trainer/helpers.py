@@ -3,6 +3,7 @@ their own stream names, a trainer around the in-process PyTorch backend."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -53,9 +54,14 @@ def settings_for(redis_url: str, checkpoint_dir: Path, **sections) -> TrainerSet
     return TrainerSettings(**base)
 
 
-async def start_trainer(settings: TrainerSettings, redis: Redis) -> Trainer:
+async def start_trainer(
+    settings: TrainerSettings,
+    redis: Redis,
+    metrics: TrainerMetrics | None = None,
+    stop: asyncio.Event | None = None,
+) -> Trainer:
     backend = InProcess(TorchBackend(settings.train, settings.ppo, settings.model, settings.lora))
-    return await build_trainer(settings, backend, redis, TrainerMetrics())
+    return await build_trainer(settings, backend, redis, metrics or TrainerMetrics(), stop)
 
 
 async def publish_all(redis: Redis, settings: TrainerSettings, samples: list[Sample]) -> None:

@@ -17,6 +17,7 @@ from clawrl.trainer import training
 from clawrl.trainer.intake import Intake
 from clawrl.trainer.metrics import TrainerMetrics
 from clawrl.trainer.service import make_consumer
+from tests.conftest import free_port, start_redis
 
 from .helpers import counter, make_sample, pending, publish_all, settings_for, start_trainer
 
@@ -192,6 +193,61 @@ async def test_a_steps_own_redis_calls_are_made_again(
               for stage in ("step", "export", "commit", "announce")}  # fmt: skip
     assert errors == {"step": 2, "export": 1, "commit": 2, "announce": 1}
     assert counter(trainer, "clawrl_trainer_samples_dropped_total", reason="duplicate") == 0
+
+
+async def errors_at_least(metrics: TrainerMetrics, stage: str, count: int) -> None:
+    """Wait (up to 120 s: a loaded host) until `count` Redis errors of `stage` were counted."""
+    for _ in range(1200):
+        if (metrics.registry.get_sample_value(
+                "clawrl_trainer_redis_errors_total", {"stage": stage}) or 0) >= count:  # fmt: skip
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"fewer than {count} Redis errors at stage {stage}")
+
+
+async def test_a_trainer_that_starts_before_redis_waits_for_it(
+    log_dir, tmp_path, monkeypatch
+) -> None:
+    """Redis not answering yet when the trainer starts (its pod scheduled first, `make run`
+    on a slow host): the trainer waits for it with its backend loaded, then trains."""
+    monkeypatch.setattr(training, "REDIS_RETRY_S", (0.05, 0.2))
+    port = free_port()
+    settings = settings_for(f"redis://127.0.0.1:{port}/0", tmp_path)
+    redis, metrics = Redis.from_url(settings.redis.url), TrainerMetrics()
+    starting = asyncio.create_task(start_trainer(settings, redis, metrics, asyncio.Event()))
+    try:
+        await errors_at_least(metrics, "resume", 2)  # before: the start-up failed at once
+        assert not starting.done()
+        child = start_redis(port, log_dir, name="redis-late")
+        try:
+            trainer = await asyncio.wait_for(starting, 60)
+            await publish_all(redis, settings, [make_sample(f"l{i}:0", [80 + i]) for i in range(4)])
+            await run_until_trained(trainer, redis, settings, 4)
+            assert trainer.state.samples_trained == 4 and trainer.state.policy_version == 1
+        finally:
+            child.stop()
+    finally:
+        starting.cancel()
+        await redis.aclose()
+
+
+async def test_a_trainer_stopped_while_waiting_for_redis_at_start_ends(
+    tmp_path, monkeypatch
+) -> None:
+    """SIGTERM while the trainer waits for Redis at start-up: the wait ends at once (the error
+    goes up, and the service exits)."""
+    monkeypatch.setattr(training, "REDIS_RETRY_S", (0.05, 0.2))
+    settings = settings_for(f"redis://127.0.0.1:{free_port()}/0", tmp_path)
+    redis, metrics, stop = Redis.from_url(settings.redis.url), TrainerMetrics(), asyncio.Event()
+    starting = asyncio.create_task(start_trainer(settings, redis, metrics, stop))
+    try:
+        await errors_at_least(metrics, "resume", 2)
+        stop.set()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(starting, 10)
+    finally:
+        starting.cancel()
+        await redis.aclose()
 
 
 async def test_a_stopping_trainer_gives_up_on_redis(

@@ -175,7 +175,8 @@ class TrainerMetrics:
         )
         self.redis_errors = Counter(
             "clawrl_trainer_redis_errors_total",
-            "Redis calls that failed, by stage (intake: reading a batch; step, export, commit, "
+            "Redis calls that failed, by stage (resume: joining the consumer group and "
+            "re-announcing at start-up; intake: reading a batch; step, export, commit, "
             "announce, drop: a step's own calls). Each is made again after a pause; nothing "
             "read is lost and the backend keeps its model.",
             ["stage"],

@@ -49,13 +49,17 @@ def make_consumer(settings: TrainerSettings, redis: Redis) -> GroupConsumer | Sh
 
 
 async def build_trainer(
-    settings: TrainerSettings, backend: BackendHandle, redis: Redis, metrics: TrainerMetrics
+    settings: TrainerSettings,
+    backend: BackendHandle,
+    redis: Redis,
+    metrics: TrainerMetrics,
+    stop: asyncio.Event | None = None,
 ) -> Trainer:
-    """Load the backend, join the consumer group, resume from the newest durable state."""
+    """Load the backend, join the consumer group, resume from the newest durable state (Redis
+    away: waiting for it, until `stop` is set)."""
     model_dir = resolve_model_dir(settings.model)
     await backend.call("load", model_dir, load_reference=settings.ppo.kl_coef > 0)
     consumer = make_consumer(settings, redis)
-    await consumer.ensure_group()
     intake = Intake(
         consumer,
         metrics,
@@ -71,7 +75,7 @@ async def build_trainer(
     sync = None
     if settings.weight_sync.transport == "nccl":  # the trainer syncs; no launcher runs
         sync = BroadcastSync(settings, backend, redis, WeightSyncMetrics(metrics.registry))
-    trainer = Trainer(settings, backend, intake, consumer, store, redis, metrics, sync)
+    trainer = Trainer(settings, backend, intake, consumer, store, redis, metrics, sync, stop)
     await trainer.resume()
     return trainer
 
@@ -92,7 +96,7 @@ async def serve(
     tasks: list[asyncio.Task] = []
     try:
         backend = start_backend(settings)
-        trainer = await build_trainer(settings, backend, redis, metrics)
+        trainer = await build_trainer(settings, backend, redis, metrics, stop)
         tasks = [asyncio.create_task(task(settings, redis, stop)) for task in background]
         log.info("training: %d samples per step from %s (group %s)",
                  settings.rollout.rollout_batch_size, settings.redis.samples_stream,

@@ -158,6 +158,7 @@ class Trainer:
         redis: Redis,
         metrics: TrainerMetrics,
         sync: VersionSync | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -173,7 +174,8 @@ class Trainer:
         self.pending_acks: list[str] = []  # entries of those steps
         self.unannounced: VersionReady | None = None
         self.unannounced_tenants: list[VersionReady] = []  # tenants' exports, per-tenant mode
-        self._stop = asyncio.Event()  # run()'s: set once the trainer is stopping
+        # Set once the trainer is stopping (the service's, from start-up on; else run()'s).
+        self._stop = stop or asyncio.Event()
         self._bind_tenants()
 
     def _bind_tenants(self) -> None:
@@ -188,7 +190,10 @@ class Trainer:
         queues.removed = set(self.state.tenants_removed)
 
     async def resume(self) -> None:
-        """Load the newest durable state, if any, and re-announce its version if needed."""
+        """Join the consumer group, load the newest durable state, if any, and re-announce its
+        version if needed. Redis away meanwhile (a trainer that starts before it, a failover)
+        costs a wait, not a restart that would load the backend again."""
+        await self._redis("resume", self.consumer.ensure_group)
         found = self.store.latest_state()
         if found is None:
             log.info("no checkpoint in %s: starting from the base model", self.store.root)
@@ -207,14 +212,19 @@ class Trainer:
         if state.policy_version:
             version = state.policy_version
             ready = self._ready(version, self.store.policies / f"v{version}")
-            announced = await latest(self.redis, self.settings.redis.versions_stream)
-            if announced is None or announced.version < version:
-                await self._announce(ready)
+            await self._redis("resume", lambda: self._announce_unless_announced(ready))
             if self.sync is not None:
                 # The engines may serve an older version; the backend may already hold weights
                 # newer than the export (a state saved after it): from disk.
                 await self.sync(ready, from_disk=True)
-        await self._reannounce_tenants()
+        await self._redis("resume", self._reannounce_tenants)
+
+    async def _announce_unless_announced(self, ready: VersionReady) -> None:
+        """Announce the resumed version when the versions stream lacks it (the trainer died
+        between the durable state and the announcement)."""
+        announced = await latest(self.redis, self.settings.redis.versions_stream)
+        if announced is None or announced.version < ready.version:
+            await self._announce(ready)
 
     async def _reannounce_tenants(self) -> None:
         """Announce each tenant's newest version again when its stream lacks it (the trainer
